@@ -1,0 +1,170 @@
+"""The public entry points: :func:`reconstruct` (one layer) and :func:`attack_layer` (a model).
+
+These validate and convert what users pass (numpy arrays or tensors, any float dtype), then call
+the pure core (:mod:`spear.core.reconstruct`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from spear.core.reconstruct import AttackOptions, Reconstruction, run_attack
+from spear.errors import InputError
+
+_OPTION_NAMES = {f.name for f in dataclasses.fields(AttackOptions)}
+
+
+def _as_tensor(name: str, value: Any) -> torch.Tensor:
+    if isinstance(value, torch.Tensor):
+        tensor = value.detach()
+    elif isinstance(value, np.ndarray):
+        tensor = torch.from_numpy(value)
+    else:
+        raise InputError(f"{name} must be a torch.Tensor or numpy.ndarray, got {type(value).__name__}")
+    if not (tensor.is_floating_point()):
+        raise InputError(f"{name} must hold floating-point numbers, got dtype {tensor.dtype}")
+    return tensor
+
+
+def _resolve_device(device: str) -> torch.device:
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError) as exc:
+        raise InputError(f"unknown device {device!r}; use 'cpu' or 'cuda'") from exc
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise InputError("device='cuda' was requested but CUDA is not available here; use device='cpu'")
+    return dev
+
+
+def build_options(options: Mapping[str, Any]) -> AttackOptions:
+    """Turn keyword options into :class:`AttackOptions`, naming any unknown or invalid one."""
+    unknown = set(options) - _OPTION_NAMES
+    if unknown:
+        raise InputError(f"unknown option(s) {sorted(unknown)}; valid options are {sorted(_OPTION_NAMES)}")
+    opts = AttackOptions(**options)
+    if opts.max_proposals is not None and opts.max_proposals < 0:
+        raise InputError("max_proposals must be >= 0")
+    if opts.chunk_size < 1:
+        raise InputError("chunk_size must be >= 1")
+    if not 0 < opts.p_fr < 1:
+        raise InputError(f"p_fr must be in (0, 1), got {opts.p_fr}")
+    if opts.sparsity not in ("output", "input"):
+        raise InputError(f"sparsity must be 'output' or 'input', got {opts.sparsity!r}")
+    if opts.time_budget is not None and opts.time_budget <= 0:
+        raise InputError("time_budget must be positive (seconds)")
+    if opts.batch_size is not None and opts.batch_size < 1:
+        raise InputError("batch_size must be >= 1")
+    if opts.dtype not in (torch.float32, torch.float64):
+        raise InputError("dtype must be torch.float64 (exact) or torch.float32")
+    return opts
+
+
+def reconstruct(weight: Any, bias: Any, grad_weight: Any, grad_bias: Any, **options: Any) -> Reconstruction:
+    """Recover the input batch of a linear layer ``Z = W X + b`` followed by a ReLU.
+
+    Args:
+        weight: W, shape (m, n). bias: b, shape (m,).
+        grad_weight: dL/dW as the server received it, shape (m, n).
+        grad_bias: dL/db, shape (m,).
+        **options: see :class:`spear.AttackOptions` (``max_proposals``, ``seed``, ``p_fr``,
+            ``time_budget``, ``sparsity``, ``device``, ``progress``, ...).
+
+    Returns:
+        A :class:`Reconstruction`; ``inputs`` is the batch (b, n) in arbitrary order and
+        ``verified`` says whether the gradients recomputed from it match.
+
+    Raises:
+        InputError: wrong types, shapes, NaN/Inf, all-zero gradients, unknown options.
+        RankError: the batch is not smaller than the layer (rank(dL/dW) = min(m, n)).
+        NoSparsityError: the gradient shows no ReLU sparsity.
+
+    Example:
+        >>> rec = spear.reconstruct(layer.weight, layer.bias, layer.weight.grad, layer.bias.grad)
+        >>> rec.verified, rec.inputs.shape
+    """
+    opts = build_options(options)
+    device = _resolve_device(opts.device)
+    W = _as_tensor("weight", weight)
+    bvec = _as_tensor("bias", bias)
+    GW = _as_tensor("grad_weight", grad_weight)
+    Gb = _as_tensor("grad_bias", grad_bias)
+    if W.ndim != 2:
+        raise InputError(f"weight must be 2-D (m, n), got shape {tuple(W.shape)}")
+    m, n = W.shape
+    if m < 2 or n < 2:
+        raise InputError(f"weight of shape {(m, n)} is too small: SPEAR needs m >= 2 and n >= 2")
+    if tuple(GW.shape) != (m, n):
+        raise InputError(
+            f"grad_weight has shape {tuple(GW.shape)} but weight has shape {(m, n)}; they must match"
+        )
+    for name, vec in (("bias", bvec), ("grad_bias", Gb)):
+        if tuple(vec.shape) != (m,):
+            raise InputError(
+                f"{name} must have shape ({m},) to match weight (m={m}), got {tuple(vec.shape)}. "
+                "SPEAR needs the layer's bias gradient to recover each sample's scale (Theorem 3.6)."
+            )
+    for name, t in (("weight", W), ("bias", bvec), ("grad_weight", GW), ("grad_bias", Gb)):
+        if not bool(torch.isfinite(t).all()):
+            raise InputError(f"{name} contains NaN or Inf; pass the finite tensors the server received")
+    if not bool(GW.abs().amax() > 0):
+        raise InputError("grad_weight is all zeros: the update carries no information about the batch")
+    if not bool(Gb.abs().amax() > 0):
+        raise InputError("grad_bias is all zeros: the scale of each sample cannot be recovered (Theorem 3.6)")
+    source_dtype = torch.float64 if torch.float64 in (GW.dtype, Gb.dtype) else torch.float32
+    cast = {"dtype": opts.dtype, "device": device}
+    return run_attack(W.to(**cast), bvec.to(**cast), GW.to(**cast), Gb.to(**cast), opts, source_dtype)
+
+
+def attack_layer(
+    model: torch.nn.Module,
+    layer: str,
+    gradients: Mapping[str, Any] | Sequence[Any],
+    **options: Any,
+) -> Reconstruction:
+    """Attack one ``nn.Linear`` layer of ``model`` from the gradients the server received.
+
+    Args:
+        model: the global model the server sent (its weights are the ones the gradient was
+            computed at).
+        layer: the module name of the linear layer, as in ``model.named_modules()``, e.g. "0" or
+            "features.fc1".
+        gradients: a dict parameter-name -> gradient (``model.named_parameters()`` names), or a
+            list in ``model.parameters()`` order.
+        **options: as for :func:`reconstruct`.
+
+    Returns:
+        The :class:`Reconstruction` of that layer's inputs (the data itself for the first layer,
+        hidden activations for deeper ones).
+    """
+    modules = dict(model.named_modules())
+    if layer not in modules:
+        linear = [name for name, mod in modules.items() if isinstance(mod, torch.nn.Linear)]
+        raise InputError(f"model has no module named {layer!r}; its linear layers are {linear}")
+    module = modules[layer]
+    if not isinstance(module, torch.nn.Linear):
+        raise InputError(f"module {layer!r} is a {type(module).__name__}, not torch.nn.Linear")
+    if module.bias is None:
+        raise InputError(f"layer {layer!r} has no bias; SPEAR needs dL/db to recover scales (Theorem 3.6)")
+    names = [name for name, _ in model.named_parameters()]
+    if isinstance(gradients, Mapping):
+        grads = dict(gradients)
+    else:
+        grads_list = list(gradients)
+        if len(grads_list) != len(names):
+            raise InputError(
+                f"got {len(grads_list)} gradients but the model has {len(names)} parameters; pass one "
+                "per parameter in model.parameters() order, or a dict name -> gradient"
+            )
+        grads = dict(zip(names, grads_list, strict=True))
+    prefix = f"{layer}." if layer else ""
+    missing = [k for k in (prefix + "weight", prefix + "bias") if k not in grads]
+    if missing:
+        raise InputError(f"gradients lack {missing}; available: {sorted(grads)[:10]}")
+    return reconstruct(
+        module.weight, module.bias, grads[prefix + "weight"], grads[prefix + "bias"], **options
+    )

@@ -1,0 +1,65 @@
+"""Low-rank split of the weight gradient (Theorem 3.1, Algorithm 1 line 2)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from spear.errors import RankError
+
+
+@dataclass(frozen=True)
+class LowRankSplit:
+    """``dL/dW = L R`` with ``L = U S^1/2`` (m x b) and ``R = S^1/2 V^T`` (b x n).
+
+    ``singular_values`` holds every singular value of dL/dW (descending), so callers can see the
+    gap the batch size was read from.
+    """
+
+    L: torch.Tensor
+    R: torch.Tensor
+    batch_size: int
+    singular_values: torch.Tensor
+    rank_rtol: float
+
+
+def default_rank_rtol(shape: tuple[int, int], source_dtype: torch.dtype) -> float:
+    """numpy's ``matrix_rank`` rule: ``max(m, n) * eps``, with eps of the dtype the gradient was
+    *computed* in (a float32 gradient carries float32 noise even after casting to float64)."""
+    return max(shape) * torch.finfo(source_dtype).eps
+
+
+def low_rank_split(
+    grad_weight: torch.Tensor,
+    *,
+    batch_size: int | None = None,
+    rank_rtol: float | None = None,
+    source_dtype: torch.dtype | None = None,
+) -> LowRankSplit:
+    """Reduced SVD of ``grad_weight`` (m x n, float64) and its numerical rank b.
+
+    The batch size is the number of singular values above ``rank_rtol * s_max`` (Theorem 3.1:
+    ``rank(dL/dW) = b``), unless ``batch_size`` is given, which overrides the estimate.
+
+    Raises:
+        RankError: the gradient has full rank ``min(m, n)``, so ``b >= min(m, n)`` and the batch
+            cannot be disaggregated (SPEAR needs ``b < m`` and ``b < n``).
+    """
+    m, n = grad_weight.shape
+    U, S, Vh = torch.linalg.svd(grad_weight, full_matrices=False)
+    rtol = (
+        rank_rtol if rank_rtol is not None else default_rank_rtol((m, n), source_dtype or grad_weight.dtype)
+    )
+    b = int((rtol * S[0] < S).sum()) if batch_size is None else int(batch_size)
+    if b >= min(m, n):
+        raise RankError(
+            f"dL/dW ({m} x {n}) has numerical rank {b} = min(m, n): the batch is at least as large "
+            f"as the layer, so it cannot be recovered. SPEAR needs batch size < {min(m, n)} "
+            f"(the layer's {'output' if m <= n else 'input'} width). Attack a wider layer, or pass "
+            "batch_size= if you know the batch is smaller and the gradient is noisy."
+        )
+    root = S[:b].sqrt()
+    L = U[:, :b] * root
+    R = root[:, None] * Vh[:b]
+    return LowRankSplit(L=L, R=R, batch_size=b, singular_values=S, rank_rtol=rtol)

@@ -1,0 +1,65 @@
+"""The one interface every direction proposer implements."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class ProposalContext:
+    """What a proposer may look at: the server-side factor ``L`` and the search state.
+
+    Attributes:
+        L: the sparse-side factor (rows x b, float64). ``L q`` is a column of dL/dZ (or of X in
+            input-sparsity mode) up to scale when ``q`` is a true direction.
+        batch_size: b.
+        threshold_count: minimum number of zero entries of ``L q`` (tau * rows, Section 4.1).
+        generator: the seeded random generator all randomness must come from.
+        proposal_dtype: dtype proposals may be computed in (float32 for speed); the core re-solves
+            every survivor in float64.
+        found: exact unit directions already accepted (k x b), for proposers that deflate.
+    """
+
+    L: torch.Tensor
+    batch_size: int
+    threshold_count: int
+    generator: torch.Generator
+    proposal_dtype: torch.dtype
+    found: torch.Tensor
+
+    @property
+    def rows(self) -> int:
+        return self.L.shape[0]
+
+
+@dataclass
+class ProposalBatch:
+    """Rough proposals from one call.
+
+    Attributes:
+        directions: (k, b) candidate directions, any scale, any dtype.
+        n_drawn: how many proposals the call examined (counts toward the proposal budget), which
+            may be far more than ``k`` when the proposer filters internally.
+        zero_hint: optional (k, rows) bool, the rows the proposer believes are zero in ``L q``;
+            snapping solves for the kernel of exactly these rows.
+        exhausted: True when the proposer has nothing more to offer (deterministic proposers).
+    """
+
+    directions: torch.Tensor
+    n_drawn: int
+    zero_hint: torch.Tensor | None = None
+    exhausted: bool = False
+
+
+class DirectionProposer(ABC):
+    """Proposes candidate directions ``q`` with sparse ``L q``."""
+
+    #: short name used in statistics, the CLI and benchmarks
+    name: str = "proposer"
+
+    @abstractmethod
+    def propose(self, ctx: ProposalContext, max_proposals: int) -> ProposalBatch:
+        """Draw at most ``max_proposals`` proposals and return the promising ones."""

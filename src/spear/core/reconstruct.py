@@ -1,0 +1,325 @@
+"""Algorithm 1 (SPEAR): propose, filter, select, scale, verify; with budgets and progress.
+
+Tensors in, a :class:`Reconstruction` out. Input validation and conversion live in
+:mod:`spear.api`; this module assumes float tensors of consistent shapes on one device.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from spear import theory
+from spear.core.filtering import DEFAULT_ZERO_RTOL, CandidatePool, snap_and_filter
+from spear.core.greedy import Selection, greedy_filter
+from spear.core.lowrank import low_rank_split
+from spear.core.proposers import DirectionProposer, ProposalContext, RandomSubmatrixSampler
+from spear.core.scale import LayerProblem, SparsityMode
+from spear.core.verify import DEFAULT_VERIFY_RTOL, verify
+from spear.errors import InputError, NoSparsityError
+
+#: how many times Lemma 5.1's expected wait for one sparse direction must pass without any
+#: candidate before the gradient is declared not ReLU-sparse
+NO_SPARSITY_PATIENCE = 200
+
+
+@dataclass(frozen=True)
+class ProgressEvent:
+    """A snapshot of a running attack, passed to the ``progress`` callback after every step."""
+
+    proposals: int
+    max_proposals: int
+    candidates: int
+    consistent_directions: int
+    batch_size: int
+    sigma: float | None
+    seconds: float
+
+
+@dataclass(frozen=True)
+class AttackOptions:
+    """Options of one attack. Every field has a default; see ``spear.reconstruct``.
+
+    Attributes:
+        max_proposals: proposal budget N (Algorithm 1). None: 20x Lemma 5.2's expectation,
+            clipped to [2e5, 2e9].
+        chunk_size: proposals per vectorized step.
+        p_fr: false-rejection rate; tau follows from the binomial CDF (Section 4.1).
+        seed: seed of every random choice.
+        dtype: working dtype of the exact stages (float64 for exact results).
+        proposal_dtype: dtype the sampler drafts proposals in (float32 is ~2x faster; survivors
+            are re-solved in ``dtype``).
+        device: "cpu" or "cuda".
+        time_budget: seconds after which the attack stops and returns its best result.
+        early_stop: stop as soon as sigma = 1 (Algorithm 1, line 9).
+        sparsity: "output" when the layer is followed by a ReLU (dL/dZ sparse, the default),
+            "input" when it is preceded by one (X sparse, Section 3.2).
+        batch_size: known batch size; overrides the numerical-rank estimate.
+        rank_rtol: relative singular-value threshold of the rank estimate.
+        zero_rtol: entries below ``zero_rtol * max`` count as zeros.
+        verify_rtol: relative tolerance of the gradient verification.
+        proposer: a :class:`DirectionProposer`, or "sampling".
+        progress: called with a :class:`ProgressEvent` after every step.
+    """
+
+    max_proposals: int | None = None
+    chunk_size: int = 4096
+    p_fr: float = 1e-5
+    seed: int = 0
+    dtype: torch.dtype = torch.float64
+    proposal_dtype: torch.dtype = torch.float32
+    device: str = "cpu"
+    time_budget: float | None = None
+    early_stop: bool = True
+    sparsity: SparsityMode = "output"
+    batch_size: int | None = None
+    rank_rtol: float | None = None
+    zero_rtol: float | None = None
+    verify_rtol: float | None = None
+    proposer: DirectionProposer | str = "sampling"
+    progress: Callable[[ProgressEvent], None] | None = field(default=None, compare=False)
+
+
+@dataclass(frozen=True)
+class AttackStats:
+    proposals: int
+    candidates: int
+    seconds: float
+    seed: int
+    proposer: str
+    stop_reason: str  # "sigma=1", "budget", "time budget", "interrupted", "exhausted", "trivial"
+    threshold_count: int
+    tau: float
+
+    def as_dict(self) -> dict:
+        return dict(self.__dict__)
+
+
+@dataclass(frozen=True)
+class Reconstruction:
+    """The result of one attack on one layer.
+
+    Attributes:
+        inputs: (b, n) reconstructed batch in arbitrary order, or None when fewer than b
+            independent directions were found (then ``message`` says so).
+        grad_outputs: (m, b) reconstructed dL/dZ (columns in the order of ``inputs``).
+        batch_size: b, the numerical rank of dL/dW.
+        sigma: sparsity-matching coefficient of the result (Definition 4.1); 1 means every entry
+            of dL/dZ matches the ReLU pattern of the reconstructed pre-activations.
+        verified: the gradients recomputed through the ReLU from the reconstruction match the
+            observed ones within ``verify_rtol`` (see :mod:`spear.core.verify`).
+        residual: the relative error of that recomputation.
+        consistent_directions: how many of the b columns match the ReLU pattern entry for entry.
+        directions: (b, b) unit directions (columns), scales: (b,) Theorem 3.6's scales.
+        singular_values: all singular values of dL/dW, to inspect the rank gap.
+        stats: proposals, candidates, seconds, seed, stop reason.
+        message: a one-line human summary.
+    """
+
+    inputs: torch.Tensor | None
+    grad_outputs: torch.Tensor | None
+    batch_size: int
+    sigma: float
+    verified: bool
+    residual: float
+    consistent_directions: int
+    directions: torch.Tensor | None
+    scales: torch.Tensor | None
+    singular_values: torch.Tensor
+    stats: AttackStats
+    message: str
+    mode: SparsityMode = "output"
+
+    def summary(self) -> dict:
+        """JSON-ready summary (no tensors)."""
+        return {
+            "batch_size": self.batch_size,
+            "verified": self.verified,
+            "residual": self.residual,
+            "sigma": self.sigma,
+            "consistent_directions": self.consistent_directions,
+            "mode": self.mode,
+            "message": self.message,
+            "stats": self.stats.as_dict(),
+        }
+
+
+def default_max_proposals(b: int) -> int:
+    """20x the expected proposal count of Lemma 5.2, clipped to [2e5, 2e9]."""
+    if b < 2:
+        return 0
+    return int(min(2e9, max(2e5, 20 * theory.expected_proposals(b))))
+
+
+def make_proposer(spec: DirectionProposer | str, chunk_size: int) -> DirectionProposer:
+    if isinstance(spec, DirectionProposer):
+        return spec
+    if spec == "sampling":
+        return RandomSubmatrixSampler(chunk_size=chunk_size)
+    raise InputError(f"unknown proposer {spec!r}; use 'sampling' or pass a DirectionProposer instance")
+
+
+def run_attack(
+    weight: torch.Tensor,
+    bias: torch.Tensor,
+    grad_weight: torch.Tensor,
+    grad_bias: torch.Tensor,
+    options: AttackOptions,
+    source_dtype: torch.dtype,
+) -> Reconstruction:
+    """Run SPEAR on validated float tensors (all in ``options.dtype`` on ``options.device``)."""
+    start = time.perf_counter()
+    split = low_rank_split(
+        grad_weight, batch_size=options.batch_size, rank_rtol=options.rank_rtol, source_dtype=source_dtype
+    )
+    b = split.batch_size
+    problem = LayerProblem(weight, bias, grad_bias, split.L, split.R, options.sparsity)
+    factor = problem.sparse_factor
+    rows = factor.shape[0]
+    zero_rtol = options.zero_rtol or DEFAULT_ZERO_RTOL.get(source_dtype, 1e-4)
+    verify_rtol = options.verify_rtol or DEFAULT_VERIFY_RTOL.get(source_dtype, 1e-3)
+    threshold = theory.sparsity_threshold_count(rows, options.p_fr)
+    proposer = make_proposer(options.proposer, options.chunk_size)
+    budget = options.max_proposals if options.max_proposals is not None else default_max_proposals(b)
+
+    def finish(selection: Selection | None, drawn: int, n_cand: int, reason: str) -> Reconstruction:
+        stats = AttackStats(
+            proposals=drawn,
+            candidates=n_cand,
+            seconds=time.perf_counter() - start,
+            seed=options.seed,
+            proposer=proposer.name if b > 1 else "none",
+            stop_reason=reason,
+            threshold_count=threshold,
+            tau=threshold / rows,
+        )
+        if selection is None:
+            return Reconstruction(
+                inputs=None,
+                grad_outputs=None,
+                batch_size=b,
+                sigma=float("nan"),
+                verified=False,
+                residual=float("inf"),
+                consistent_directions=0,
+                directions=None,
+                scales=None,
+                singular_values=split.singular_values,
+                stats=stats,
+                mode=options.sparsity,
+                message=(
+                    f"not recovered: {n_cand} exact candidate direction(s) found, fewer than the "
+                    f"b={b} independent ones needed ({reason} after {drawn:,} proposals); "
+                    "raise max_proposals or time_budget"
+                ),
+            )
+        inputs, grad_outputs = problem.assemble(selection.Qbar, selection.scales)
+        check = verify(
+            weight, bias, grad_weight, grad_bias, inputs, grad_outputs, options.sparsity, verify_rtol
+        )
+        if check.verified:
+            message = f"exact: all {b} inputs recovered and verified (residual {check.residual:.1e})"
+        else:
+            message = (
+                f"unverified: best selection has sigma={selection.sigma:.4f}, "
+                f"{selection.consistent_columns}/{b} directions consistent, residual "
+                f"{check.residual:.1e} > {verify_rtol:g} ({reason} after {drawn:,} proposals)"
+            )
+        return Reconstruction(
+            inputs=inputs,
+            grad_outputs=grad_outputs,
+            batch_size=b,
+            sigma=selection.sigma,
+            verified=check.verified,
+            residual=check.residual,
+            consistent_directions=selection.consistent_columns,
+            directions=selection.Qbar,
+            scales=selection.scales,
+            singular_values=split.singular_values,
+            stats=stats,
+            message=message,
+            mode=options.sparsity,
+        )
+
+    if b == 1:  # one sample: Q is 1 x 1, Theorem 3.6 alone gives the scale
+        Qbar = torch.ones(1, 1, dtype=factor.dtype, device=factor.device)
+        c, valid = problem.scales(Qbar[None])
+        mask = (factor @ Qbar).T.abs() <= zero_rtol * factor.abs().max()
+        from spear.core.greedy import score  # local: only the trivial case needs the raw score
+
+        sigma, _, _, consistent = score(problem, Qbar[None], mask[None])
+        selection = (
+            Selection((0,), Qbar, c[0], float(sigma[0]), int(consistent[0])) if bool(valid[0]) else None
+        )
+        return finish(selection, 0, 1, "trivial")
+
+    generator = torch.Generator(device="cpu").manual_seed(options.seed)
+    pool = CandidatePool(b, rows, dtype=factor.dtype, device=factor.device)
+    ctx = ProposalContext(
+        L=factor,
+        batch_size=b,
+        threshold_count=threshold,
+        generator=generator,
+        proposal_dtype=options.proposal_dtype,
+        found=pool.directions,
+    )
+    best: Selection | None = None
+    drawn = 0
+    reason = "budget"
+    patience = NO_SPARSITY_PATIENCE / theory.success_probability_lower_bound(b)
+    try:
+        while drawn < budget:
+            if options.time_budget is not None and time.perf_counter() - start >= options.time_budget:
+                reason = "time budget"
+                break
+            batch = proposer.propose(ctx, budget - drawn)
+            drawn += batch.n_drawn
+            snapped = snap_and_filter(factor, batch.directions, batch.zero_hint, threshold, zero_rtol)
+            if pool.add(snapped) and len(pool) >= b:
+                ctx.found = pool.directions
+                selection = greedy_filter(problem, pool.directions, pool.zero_masks, pool.zero_counts)
+                if selection is not None and (best is None or selection.sigma >= best.sigma):
+                    best = selection
+            if options.progress is not None:
+                options.progress(
+                    ProgressEvent(
+                        proposals=drawn,
+                        max_proposals=budget,
+                        candidates=len(pool),
+                        consistent_directions=best.consistent_columns if best else 0,
+                        batch_size=b,
+                        sigma=best.sigma if best else None,
+                        seconds=time.perf_counter() - start,
+                    )
+                )
+            if best is not None and best.perfect and options.early_stop:
+                reason = "sigma=1"
+                break
+            if batch.exhausted:
+                reason = "exhausted"
+                break
+            if len(pool) == 0 and drawn >= patience and rows > 2 * b:
+                raise NoSparsityError(
+                    f"no ReLU-sparse direction in {drawn:,} proposals, although Lemma 5.1 expects one "
+                    f"every {1 / theory.success_probability_lower_bound(b):,.0f} for b={b}: the "
+                    f"{'output gradient dL/dZ' if options.sparsity == 'output' else 'input X'} "
+                    "is not sparse. Is the layer "
+                    f"{'followed' if options.sparsity == 'output' else 'preceded'} by a ReLU? "
+                    "Otherwise try sparsity='input'/'output', or check the gradient was not noised."
+                )
+    except KeyboardInterrupt:
+        reason = "interrupted"
+    return finish(best, drawn, len(pool), reason)
+
+
+__all__ = [
+    "AttackOptions",
+    "AttackStats",
+    "ProgressEvent",
+    "Reconstruction",
+    "default_max_proposals",
+    "run_attack",
+]

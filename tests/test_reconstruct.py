@@ -1,0 +1,227 @@
+"""End-to-end: exact recovery on networks built here, options, and every error path."""
+
+import itertools
+
+import numpy as np
+import pytest
+import torch
+from tests.conftest import assert_exact, make_client
+
+import spear
+from spear.errors import InputError, NoSparsityError, RankError, SpearError
+
+CASES = [
+    # (b, width, depth, seed, normalized images)
+    (1, 50, 2, 0, True),
+    (2, 50, 3, 1, True),
+    (4, 100, 2, 2, False),
+    (6, 200, 3, 3, True),
+    (8, 200, 6, 4, True),
+    (10, 300, 4, 5, False),
+    (12, 200, 3, 6, True),
+    (12, 500, 6, 7, True),
+]
+
+
+@pytest.mark.parametrize("b,width,depth,seed,images", CASES)
+def test_exact_recovery(b, width, depth, seed, images):
+    client = make_client(b, width=width, depth=depth, seed=seed, normalized_images=images)
+    rec = spear.reconstruct(*client.layer_args(), seed=seed)
+    assert rec.verified, rec.message
+    assert rec.batch_size == b and rec.sigma == 1.0 and rec.consistent_directions == b
+    assert rec.residual < 1e-10
+    assert_exact(rec.inputs, client.inputs, 1e-6)
+    assert_exact(rec.grad_outputs.T, client.grad_z.T, 1e-6)
+    assert rec.stats.seed == seed and rec.stats.seconds >= 0
+
+
+def test_model_level_entry_point_with_dict_and_list():
+    client = make_client(7, width=150, depth=4, seed=11)
+    rec = spear.attack_layer(client.model, "0", client.grads)
+    assert rec.verified
+    assert_exact(rec.inputs, client.inputs)
+    as_list = [client.grads[name] for name, _ in client.model.named_parameters()]
+    rec2 = spear.attack_layer(client.model, "0", as_list)
+    assert torch.equal(rec.directions, rec2.directions)
+    assert torch.allclose(rec.inputs, rec2.inputs, rtol=0, atol=1e-12)
+
+
+def test_deeper_layer_output_sparsity():
+    # the second linear layer of a ReLU net: its input is the first hidden activation
+    client = make_client(6, width=120, depth=4, seed=12)
+    hidden = torch.relu(client.model[0](client.inputs)).detach()
+    rec = spear.attack_layer(client.model, "2", client.grads)
+    assert rec.verified
+    assert_exact(rec.inputs, hidden)
+
+
+def test_input_sparsity_mode():
+    # a layer preceded by ReLU and followed by tanh: only its input is sparse (Section 3.2)
+    torch.manual_seed(13)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(64, 150),
+        torch.nn.ReLU(),
+        torch.nn.Linear(150, 40),
+        torch.nn.Tanh(),
+        torch.nn.Linear(40, 5),
+    ).double()
+    x = torch.randn(6, 64, dtype=torch.float64)
+    torch.nn.functional.cross_entropy(model(x), torch.arange(6) % 5).backward()
+    grads = {n: p.grad for n, p in model.named_parameters()}
+    hidden = torch.relu(model[0](x)).detach()
+    rec = spear.attack_layer(model, "2", grads, sparsity="input")
+    assert rec.verified and rec.sigma == 1.0 and rec.mode == "input"
+    assert_exact(rec.inputs, hidden)
+
+
+def test_numpy_and_float32_inputs():
+    client = make_client(5, width=100, seed=14)
+    W, b, GW, Gb = (t.detach().numpy() for t in client.layer_args())
+    rec = spear.reconstruct(W, b, GW, Gb)
+    assert rec.verified
+    assert_exact(rec.inputs, client.inputs)
+    # a float32 client: exact up to float32 rounding, verified under the float32 tolerance
+    c32 = make_client(5, width=100, seed=14, dtype=torch.float32)
+    rec32 = spear.reconstruct(*c32.layer_args())
+    assert rec32.verified, rec32.message
+    assert rec32.inputs.dtype == torch.float64
+    assert_exact(rec32.inputs, c32.inputs.double(), 1e-3)
+
+
+def test_deterministic_given_seed():
+    client = make_client(9, width=200, seed=15)
+    a = spear.reconstruct(*client.layer_args(), seed=3)
+    b = spear.reconstruct(*client.layer_args(), seed=3)
+    # the search is bit-for-bit reproducible; the final BLAS solve is equal to rounding
+    assert a.stats.proposals == b.stats.proposals and a.stats.candidates == b.stats.candidates
+    assert torch.equal(a.directions, b.directions)
+    assert torch.allclose(a.inputs, b.inputs, rtol=0, atol=1e-12)
+    c = spear.reconstruct(*client.layer_args(), seed=4)
+    assert c.stats.proposals != a.stats.proposals
+
+
+def test_progress_callback_and_interrupt():
+    client = make_client(10, width=200, seed=16)
+    events = []
+    rec = spear.reconstruct(*client.layer_args(), progress=events.append, chunk_size=512)
+    assert events and events[-1].consistent_directions == 10 and events[-1].sigma == 1.0
+    assert all(e2.proposals > e1.proposals for e1, e2 in itertools.pairwise(events))
+    assert rec.verified
+
+    seen = []
+
+    def interrupt(event):
+        seen.append(event.proposals)
+        if event.proposals >= 1000:
+            raise KeyboardInterrupt
+
+    partial = spear.reconstruct(*client.layer_args(), progress=interrupt, chunk_size=512)
+    assert partial.stats.stop_reason == "interrupted"
+    assert partial.stats.proposals == seen[-1] >= 1000  # the work done so far is kept
+    assert not partial.verified and "interrupted" in partial.message
+
+
+def test_exhausted_budget_returns_honest_unverified_result():
+    client = make_client(14, width=200, seed=17)
+    rec = spear.reconstruct(*client.layer_args(), max_proposals=3000)
+    assert not rec.verified
+    assert rec.stats.stop_reason == "budget" and rec.stats.proposals <= 3000
+    assert "max_proposals" in rec.message or "unverified" in rec.message
+
+
+def test_time_budget_stops():
+    client = make_client(22, width=200, seed=18)
+    rec = spear.reconstruct(*client.layer_args(), time_budget=0.5, chunk_size=256)
+    assert rec.stats.stop_reason == "time budget" and not rec.verified
+    assert rec.stats.seconds < 5
+
+
+def test_summary_is_json_ready():
+    import json
+
+    client = make_client(3, width=60, seed=19)
+    summary = spear.reconstruct(*client.layer_args()).summary()
+    assert json.loads(json.dumps(summary))["verified"] is True
+
+
+# --- bad input -------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def small():
+    return make_client(4, width=60, seed=20)
+
+
+def test_mismatched_shapes(small):
+    W, b, GW, Gb = small.layer_args()
+    with pytest.raises(InputError, match=r"grad_weight has shape"):
+        spear.reconstruct(W, b, GW[:, :-1], Gb)
+    with pytest.raises(InputError, match="grad_bias must have shape"):
+        spear.reconstruct(W, b, GW, Gb[:-1])
+    with pytest.raises(InputError, match=r"weight must be 2-D"):
+        spear.reconstruct(W[0], b, GW, Gb)
+
+
+def test_non_finite_and_wrong_types(small):
+    W, b, GW, Gb = small.layer_args()
+    bad = GW.clone()
+    bad[0, 0] = float("nan")
+    with pytest.raises(InputError, match="NaN or Inf"):
+        spear.reconstruct(W, b, bad, Gb)
+    with pytest.raises(InputError, match=r"torch\.Tensor or numpy"):
+        spear.reconstruct(W.tolist(), b, GW, Gb)
+    with pytest.raises(InputError, match="floating-point"):
+        spear.reconstruct(W, b, GW.to(torch.int64), Gb)
+
+
+def test_all_zero_gradients(small):
+    W, b, GW, Gb = small.layer_args()
+    with pytest.raises(InputError, match="all zeros"):
+        spear.reconstruct(W, b, torch.zeros_like(GW), Gb)
+    with pytest.raises(InputError, match=r"Theorem 3\.6"):
+        spear.reconstruct(W, b, GW, torch.zeros_like(Gb))
+
+
+def test_batch_not_smaller_than_layer():
+    narrow = make_client(12, n=784, width=10, seed=21)
+    with pytest.raises(RankError, match="batch size < 10"):
+        spear.reconstruct(*narrow.layer_args())
+    thin_input = make_client(12, n=8, width=100, seed=22)
+    with pytest.raises(RankError):
+        spear.reconstruct(*thin_input.layer_args())
+
+
+def test_gradient_without_relu_sparsity():
+    dense = make_client(4, width=100, seed=23, activation=torch.nn.Tanh)
+    with pytest.raises(NoSparsityError, match="followed"):
+        spear.reconstruct(*dense.layer_args())
+
+
+def test_bad_options(small):
+    args = small.layer_args()
+    with pytest.raises(InputError, match="unknown option"):
+        spear.reconstruct(*args, max_propsals=10)
+    with pytest.raises(InputError, match="p_fr"):
+        spear.reconstruct(*args, p_fr=2.0)
+    with pytest.raises(InputError, match="sparsity"):
+        spear.reconstruct(*args, sparsity="both")
+    with pytest.raises(InputError, match="proposer"):
+        spear.reconstruct(*args, proposer="magic")
+    if not torch.cuda.is_available():
+        with pytest.raises(InputError, match="CUDA is not available"):
+            spear.reconstruct(*args, device="cuda")
+
+
+def test_model_level_errors(small):
+    with pytest.raises(InputError, match="no module named"):
+        spear.attack_layer(small.model, "fc9", small.grads)
+    with pytest.raises(InputError, match=r"not torch\.nn\.Linear"):
+        spear.attack_layer(small.model, "1", small.grads)
+    with pytest.raises(InputError, match="gradients but the model has"):
+        spear.attack_layer(small.model, "0", [small.grads["0.weight"]])
+
+
+def test_every_error_is_a_spear_error():
+    for cls in (InputError, NoSparsityError, RankError):
+        assert issubclass(cls, SpearError)
+    assert np is not None

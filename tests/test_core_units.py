@@ -163,3 +163,18 @@ def test_sampler_hits_true_directions():
     snapped = snap_and_filter(split.L, batch.directions, batch.zero_hint, 50, 1e-9)
     hits = (snapped.directions @ Qt).abs().max(dim=1).values
     assert snapped.directions.shape[0] > 0 and bool((hits > 1 - 1e-10).all())
+
+
+def test_score_handles_singular_sets():
+    client = make_client(5, width=80, seed=9)
+    W, bias, GW, Gb = (t.detach() for t in client.layer_args())
+    split = low_rank_split(GW)
+    problem = LayerProblem(W, bias, Gb, split.L, split.R)
+    Qt, _ = true_directions(client, split)
+    singular = Qt.clone()
+    singular[:, 1] = singular[:, 0]  # a repeated direction
+    batch = torch.stack([Qt, singular])
+    masks = zero_mask((split.L @ batch).transpose(1, 2), 1e-9)
+    sigma, valid, _, _ = score(problem, batch, masks)
+    assert valid.tolist() == [True, False]
+    assert float(sigma[0]) == 1.0 and float(sigma[1]) == -1.0

@@ -48,7 +48,10 @@ def score(
     Returns (sigma, valid, scales, consistent_columns), all per matrix.
     """
     c, valid = problem.scales(Qbar)
+    # singular or badly scaled sets are scored -1; give them a harmless stand-in for the algebra
     c = torch.where(valid.unsqueeze(-1), c, torch.ones_like(c))
+    eye = torch.eye(Qbar.shape[-1], dtype=Qbar.dtype, device=Qbar.device)
+    Qbar = torch.where(valid.view(-1, 1, 1), Qbar, eye)
     if problem.mode == "output":
         positive = problem.pre_activations_t(Qbar, c) > 0  # (S, b, m)
         matches = positive ^ masks  # positive & nonzero, or non-positive & zero

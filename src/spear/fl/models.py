@@ -1,0 +1,70 @@
+"""Models of the paper's experiments: fully connected ReLU networks (Section 6)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from spear.errors import InputError
+
+
+def _kaiming(layer: nn.Linear) -> None:
+    nn.init.kaiming_normal_(layer.weight, nonlinearity="relu")
+    nn.init.zeros_(layer.bias)
+
+
+def _xavier(layer: nn.Linear) -> None:
+    nn.init.xavier_uniform_(layer.weight)
+    nn.init.zeros_(layer.bias)
+
+
+def _normal(layer: nn.Linear) -> None:
+    nn.init.normal_(layer.weight, std=0.05)
+    nn.init.normal_(layer.bias, std=0.05)
+
+
+#: weight initialisations; "default" is PyTorch's (Kaiming-uniform weights, uniform bias)
+INITS: dict[str, Callable[[nn.Linear], None] | None] = {
+    "default": None,
+    "kaiming": _kaiming,
+    "xavier": _xavier,
+    "normal": _normal,
+}
+
+
+def fully_connected(
+    in_features: int,
+    width: int = 200,
+    depth: int = 6,
+    classes: int = 10,
+    *,
+    init: str = "default",
+    seed: int = 0,
+    dtype: torch.dtype = torch.float64,
+) -> nn.Sequential:
+    """``depth`` linear layers (``depth - 1`` hidden of ``width``, ReLU between) -> ``classes``.
+
+    The paper's default is depth 6, width 200. Layer ``"0"`` is the first linear layer.
+    Note: with ``init="kaiming"`` or ``"xavier"`` biases start at zero, so dL/db is still informative
+    but the first forward pass is bias-free.
+    """
+    if depth < 2:
+        raise InputError("depth must be >= 2 (the attacked layer plus an output layer)")
+    if width < 2 or in_features < 1 or classes < 2:
+        raise InputError("width must be >= 2, in_features >= 1, classes >= 2")
+    if init not in INITS:
+        raise InputError(f"unknown init {init!r}; choose one of {sorted(INITS)}")
+    torch.manual_seed(seed)
+    sizes = [in_features] + [width] * (depth - 1)
+    layers: list[nn.Module] = []
+    for i in range(depth - 1):
+        layers += [nn.Linear(sizes[i], sizes[i + 1]), nn.ReLU()]
+    layers.append(nn.Linear(sizes[-1], classes))
+    initialise = INITS[init]
+    if initialise is not None:
+        for layer in layers:
+            if isinstance(layer, nn.Linear):
+                initialise(layer)
+    return nn.Sequential(*layers).to(dtype)

@@ -15,9 +15,9 @@ import argparse
 import time
 
 import torch
-from common import machine, median, write_json
 
 import spear
+from common import machine, median, write_json
 from spear.core.lowrank import low_rank_split
 from spear.core.proposers import ProposalContext, RandomSubmatrixSampler
 from spear.data import load_dataset

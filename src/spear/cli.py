@@ -1,0 +1,330 @@
+"""The ``spear`` command: thin, it parses, calls the library and prints (rich)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from spear import theory as theory_module
+from spear.core.reconstruct import ProgressEvent
+from spear.errors import SpearError
+
+app = typer.Typer(
+    help="spear-fl: exact reconstruction of federated-learning client batches (SPEAR).",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+
+DEFAULT_DATASET = "mnist"
+DEFAULT_BATCH = 12
+DEFAULT_WIDTH = 200
+DEFAULT_DEPTH = 6
+
+
+def _fail(message: str) -> None:
+    Console(stderr=True).print(f"[bold red]error:[/] {message}", highlight=False)
+    raise typer.Exit(2)
+
+
+class _ProgressDisplay:
+    """Renders ProgressEvents: proposals drawn, directions found k/b, sigma."""
+
+    def __init__(self, console: Console, label: str = "attack") -> None:
+        self.progress = Progress(
+            TextColumn(f"[bold]{label}"),
+            BarColumn(),
+            TextColumn("{task.fields[info]}"),
+            TimeElapsedColumn(),
+            console=console,
+            transient=False,
+        )
+        self.task = None
+
+    def __enter__(self):
+        self.progress.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self.progress.__exit__(*exc)
+
+    def __call__(self, event: ProgressEvent) -> None:
+        sigma = "-" if event.sigma is None else f"{event.sigma:.4f}"
+        info = (
+            f"{event.proposals:,} proposals | {event.candidates} candidates | "
+            f"directions {event.consistent_directions}/{event.batch_size} | sigma {sigma}"
+        )
+        if self.task is None:
+            self.task = self.progress.add_task("attack", total=event.max_proposals, info=info)
+        self.progress.update(self.task, completed=event.proposals, info=info)
+
+
+def _settings(
+    dataset,
+    batch_size,
+    width,
+    depth,
+    seed,
+    device,
+    max_proposals,
+    time_budget,
+    init,
+    pretrain_steps,
+    single_label,
+    p_fr,
+):
+    from spear.data import DATASETS
+    from spear.experiments import ExperimentSettings
+
+    if dataset.lower() not in DATASETS:
+        _fail(f"unknown data set {dataset!r}; choose one of {', '.join(sorted(DATASETS))}")
+    if batch_size < 1:
+        _fail("--batch-size must be >= 1")
+    if batch_size >= width:
+        _fail(f"--batch-size {batch_size} must be smaller than --width {width}: SPEAR needs b < m")
+    if depth < 2:
+        _fail("--depth must be >= 2")
+    return ExperimentSettings(
+        dataset=dataset.lower(),
+        batch_size=batch_size,
+        width=width,
+        depth=depth,
+        seed=seed,
+        init=init,
+        pretrain_steps=pretrain_steps,
+        single_label=single_label,
+        max_proposals=max_proposals,
+        time_budget=time_budget,
+        p_fr=p_fr,
+        device=device,
+    )
+
+
+def _fmt(value, digits=4) -> str:
+    if value is None or (isinstance(value, float) and value != value):
+        return "n/a"
+    if isinstance(value, float):
+        return f"{value:.{digits}g}" if abs(value) < 1e-3 or abs(value) >= 1e4 else f"{value:.{digits}f}"
+    return str(value)
+
+
+DatasetOpt = Annotated[
+    str, typer.Option("--dataset", "-d", help="mnist, fashion-mnist, digits, photos32/64/256")
+]
+BatchOpt = Annotated[int, typer.Option("--batch-size", "-b", help="client batch size")]
+WidthOpt = Annotated[int, typer.Option(help="hidden width m of the fully connected network")]
+DepthOpt = Annotated[int, typer.Option(help="number of linear layers")]
+SeedOpt = Annotated[int, typer.Option(help="seed of network, batch and attack")]
+DeviceOpt = Annotated[str, typer.Option(help="cpu or cuda")]
+MaxPropOpt = Annotated[int | None, typer.Option(help="proposal budget N (default: 20x Lemma 5.2)")]
+TimeOpt = Annotated[float | None, typer.Option(help="seconds per attack before returning the best result")]
+InitOpt = Annotated[str, typer.Option(help="weight init: default, kaiming, xavier, normal")]
+PretrainOpt = Annotated[int, typer.Option(help="train the network this many SGD steps first (Fig. 7)")]
+SingleOpt = Annotated[bool, typer.Option(help="all samples of one label (heterogeneous client)")]
+PfrOpt = Annotated[float, typer.Option(help="false-rejection rate p_fr (sets tau)")]
+
+
+@app.command()
+def attack(
+    dataset: DatasetOpt = DEFAULT_DATASET,
+    batch_size: BatchOpt = DEFAULT_BATCH,
+    width: WidthOpt = DEFAULT_WIDTH,
+    depth: DepthOpt = DEFAULT_DEPTH,
+    seed: SeedOpt = 0,
+    device: DeviceOpt = "cpu",
+    max_proposals: MaxPropOpt = None,
+    time_budget: TimeOpt = None,
+    init: InitOpt = "default",
+    pretrain_steps: PretrainOpt = 0,
+    single_label: SingleOpt = False,
+    p_fr: PfrOpt = 1e-5,
+    out: Annotated[Path | None, typer.Option(help="write result.json, grid.png, per_sample.csv here")] = None,
+    json_output: Annotated[bool, typer.Option("--json", help="print the result as JSON on stdout")] = False,
+) -> None:
+    """Simulate a FedSGD client on real data, reconstruct its batch from the server's view, and
+    report the field's metrics. With no options: MNIST, b=12, 6 x 200 ReLU network."""
+    from spear.experiments import run_experiment, write_result_dir
+    from spear.experiments.report import json_safe
+
+    settings = _settings(
+        dataset,
+        batch_size,
+        width,
+        depth,
+        seed,
+        device,
+        max_proposals,
+        time_budget,
+        init,
+        pretrain_steps,
+        single_label,
+        p_fr,
+    )
+    console = Console(stderr=json_output)
+    try:
+        with _ProgressDisplay(console) as display:
+            result = run_experiment(settings, progress=display)
+    except SpearError as exc:
+        _fail(str(exc))
+    record = result.record
+    if out is not None:
+        paths = write_result_dir(out, record, result.reconstruction_images, result.true_images)
+        console.print(f"wrote {', '.join(str(p) for p in paths)}")
+    if json_output:
+        sys.stdout.write(json.dumps(json_safe(record), indent=2, allow_nan=False) + "\n")
+        return
+    table = Table(
+        title=f"SPEAR on {settings.dataset}, b={settings.batch_size}, {settings.depth}x{settings.width}"
+    )
+    table.add_column("quantity")
+    table.add_column("value", justify="right")
+    m = record["metrics"]
+    for name in ("psnr", "ssim", "mse", "lpips"):
+        table.add_row(name.upper(), _fmt(m.get(name)))
+    table.add_row("exact batch", "yes" if m["accuracy"] == 1.0 else "no")
+    table.add_row("verified", str(record["verified"]))
+    table.add_row("sigma", _fmt(record["sigma"], 6))
+    table.add_row("residual", f"{record['residual']:.2e}")
+    st = record["stats"]
+    table.add_row("proposals", f"{st['proposals']:,}")
+    table.add_row("candidates", str(st["candidates"]))
+    table.add_row("seconds", f"{st['seconds']:.2f}")
+    console.print(table)
+    console.print(record["message"])
+
+
+@app.command()
+def evaluate(
+    batches: Annotated[int, typer.Option(help="number of batches K")] = 10,
+    results: Annotated[Path, typer.Option(help="JSONL file; existing batches are resumed")] = Path(
+        "runs/evaluate.jsonl"
+    ),
+    dataset: DatasetOpt = DEFAULT_DATASET,
+    batch_size: BatchOpt = DEFAULT_BATCH,
+    width: WidthOpt = DEFAULT_WIDTH,
+    depth: DepthOpt = DEFAULT_DEPTH,
+    seed: SeedOpt = 0,
+    device: DeviceOpt = "cpu",
+    max_proposals: MaxPropOpt = None,
+    time_budget: TimeOpt = None,
+    init: InitOpt = "default",
+    pretrain_steps: PretrainOpt = 0,
+    single_label: SingleOpt = False,
+    p_fr: PfrOpt = 1e-5,
+    json_output: Annotated[bool, typer.Option("--json", help="print the summary as JSON")] = False,
+) -> None:
+    """Attack K batches (seeds seed..seed+K-1) and report paper Table 1: mean and 95% CI of each
+    metric, accuracy = fraction of exactly recovered batches. Each batch is appended to the JSONL
+    file when done, so an interrupted run resumes where it stopped."""
+    from spear.experiments import run_batches, summarize
+    from spear.experiments.report import json_safe
+
+    if batches < 1:
+        _fail("--batches must be >= 1")
+    settings = _settings(
+        dataset,
+        batch_size,
+        width,
+        depth,
+        seed,
+        device,
+        max_proposals,
+        time_budget,
+        init,
+        pretrain_steps,
+        single_label,
+        p_fr,
+    )
+    console = Console(stderr=json_output)
+
+    def report(i: int, record: dict) -> None:
+        mark = "exact" if record["metrics"]["accuracy"] == 1.0 else "NOT exact"
+        console.print(
+            f"batch {i + 1}/{batches}: {mark}, {record['stats']['seconds']:.1f}s, "
+            f"{record['stats']['proposals']:,} proposals"
+        )
+
+    try:
+        records = run_batches(settings, batches, results, on_result=report)
+    except SpearError as exc:
+        _fail(str(exc))
+    except KeyboardInterrupt:
+        console.print(f"interrupted; finished batches are kept in {results} (rerun to resume)")
+        raise typer.Exit(130) from None
+    summary = summarize(records)
+    if json_output:
+        sys.stdout.write(json.dumps(json_safe(summary), indent=2, allow_nan=False) + "\n")
+        return
+    table = Table(title=f"{len(records)} batches of {settings.dataset}, b={settings.batch_size} ({results})")
+    table.add_column("metric")
+    table.add_column("mean", justify="right")
+    table.add_column("95% CI", justify="right")
+    for name in ("psnr", "ssim", "mse", "lpips", "seconds", "proposals"):
+        s = summary[name]
+        table.add_row(name, _fmt(s["mean"]), "n/a" if s["ci95"] is None else f"± {_fmt(s['ci95'])}")
+    acc = summary["accuracy"]
+    table.add_row("accuracy", f"{acc['mean']:.0%}", f"[{acc['low']:.2f}, {acc['high']:.2f}]")
+    console.print(table)
+
+
+@app.command()
+def theory(
+    batch_size: BatchOpt = 20,
+    width: WidthOpt = DEFAULT_WIDTH,
+    p_fr: PfrOpt = 1e-5,
+    json_output: Annotated[bool, typer.Option("--json")] = False,
+) -> None:
+    """Section 5.2 numbers: tau, Lemma 5.1 q, Lemma 5.2 expected proposals, Lemma A.1, Lemma 5.3."""
+    try:
+        s = theory_module.summarize(batch_size, width, p_fr)
+    except SpearError as exc:
+        _fail(str(exc))
+    if json_output:
+        sys.stdout.write(json.dumps(s.as_dict()) + "\n")
+        return
+    table = Table(title=f"SPEAR theory for b={batch_size}, m={width}, p_fr={p_fr:g}")
+    table.add_column("quantity")
+    table.add_column("value", justify="right")
+    rows = [
+        ("tau (Section 4.1)", f"{s.tau:.4f}  (>= {s.threshold_count} zeros of {width})"),
+        ("q lower bound (Lemma 5.1)", f"{s.q_lower_bound:.3e}"),
+        ("expected proposals n*_total (Lemma 5.2)", f"{s.expected_proposals:.3e}"),
+        ("proposals for 99% success (Lemma A.1)", f"{s.proposals_99:.3e}"),
+        ("failure prob. upper bound (Lemma 5.3)", f"{s.failure_upper_bound:.3e}"),
+        ("failure prob. approximation (Lemma 5.3)", f"{s.failure_approx:.3e}"),
+    ]
+    for k, v in rows:
+        table.add_row(k, v)
+    Console().print(table)
+
+
+@app.command()
+def datasets() -> None:
+    """List the built-in data sets and whether they load on this machine."""
+    from spear.data import available_datasets, load_dataset
+
+    table = Table(title="built-in data sets")
+    for col in ("name", "available", "shape", "note"):
+        table.add_column(col)
+    for name, ok in available_datasets().items():
+        if ok:
+            ds = load_dataset(name)
+            table.add_row(name, "yes", "x".join(map(str, ds.image_shape)), ds.note)
+        else:
+            table.add_row(name, "no", "", "")
+    Console().print(table)
+
+
+def main() -> None:  # pragma: no cover
+    app()
+
+
+if __name__ == "__main__":  # pragma: no cover
+    main()

@@ -1,0 +1,121 @@
+"""One experiment: a simulated client on real data, the attack from the server's view, metrics.
+
+Ground truth stays in this module's evaluation step: the attack receives only the ServerView.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import platform
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+import spear
+from spear.data import load_dataset
+from spear.fl import fully_connected, pretrain, simulate_fedsgd
+from spear.metrics import evaluate_batch
+
+
+@dataclass(frozen=True)
+class ExperimentSettings:
+    """Everything that defines one attacked batch. ``seed`` draws the network, the batch and the
+    attack's randomness."""
+
+    dataset: str = "mnist"
+    batch_size: int = 12
+    width: int = 200
+    depth: int = 6
+    seed: int = 0
+    init: str = "default"
+    pretrain_steps: int = 0
+    single_label: bool = False
+    max_proposals: int | None = None
+    time_budget: float | None = None
+    p_fr: float = 1e-5
+    device: str = "cpu"
+
+    def as_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def key(self) -> str:
+        """Identifies the configuration regardless of seed (batches of one evaluation share it)."""
+        fields = {k: v for k, v in self.as_dict().items() if k != "seed"}
+        return hashlib.sha1(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:12]
+
+
+@dataclass
+class ExperimentResult:
+    settings: ExperimentSettings
+    record: dict[str, Any]  # JSON-ready: settings, metrics, stats, versions, per-sample values
+    reconstruction_images: torch.Tensor | None  # (b, C, H, W), matched to the truth's order
+    true_images: torch.Tensor
+
+
+def versions() -> dict[str, str]:
+    out = {"spear-fl": spear.__version__, "torch": torch.__version__, "python": platform.python_version()}
+    return out
+
+
+def run_experiment(settings: ExperimentSettings, progress=None) -> ExperimentResult:
+    """Simulate one FedSGD client, attack its first layer, evaluate against its batch."""
+    dataset = load_dataset(settings.dataset)
+    model = fully_connected(
+        dataset.features,
+        settings.width,
+        settings.depth,
+        dataset.classes,
+        init=settings.init,
+        seed=settings.seed,
+    )
+    if settings.pretrain_steps:
+        pretrain(model, dataset, settings.pretrain_steps, seed=settings.seed)
+    view, secret = simulate_fedsgd(
+        model, dataset, settings.batch_size, settings.seed, single_label=settings.single_label
+    )
+    # --- the attacker's side: the server's view only ---
+    rec = spear.attack_layer(
+        view.model,
+        "0",
+        view.gradients,
+        seed=settings.seed,
+        max_proposals=settings.max_proposals,
+        time_budget=settings.time_budget,
+        p_fr=settings.p_fr,
+        device=settings.device,
+        progress=progress,
+    )
+    # --- evaluation: ground truth meets the result ---
+    truth = secret.images
+    if rec.inputs is not None and rec.inputs.shape[0] == truth.shape[0]:
+        estimate = dataset.denormalize(rec.inputs.cpu().to(truth.dtype)).clamp(0, 1)
+        evaluation = evaluate_batch(estimate, truth)
+        metrics = evaluation.as_dict()
+        matched = evaluation.matched_estimates
+    else:
+        nan = float("nan")
+        metrics = {
+            "metrics": {"psnr": nan, "ssim": nan, "mse": nan, "lpips": nan, "accuracy": 0.0},
+            "exact_samples": 0,
+            "batch_size": truth.shape[0],
+            "per_sample": {},
+        }
+        matched = None
+    record = {
+        "settings": settings.as_dict(),
+        "settings_key": settings.key(),
+        "dataset_note": dataset.note,
+        **metrics,
+        "verified": rec.verified,
+        "residual": rec.residual,
+        "sigma": rec.sigma,
+        "recovered_batch_size": rec.batch_size,
+        "consistent_directions": rec.consistent_directions,
+        "message": rec.message,
+        "stats": rec.stats.as_dict(),
+        "versions": versions(),
+    }
+    return ExperimentResult(settings, record, matched, truth)

@@ -1,0 +1,92 @@
+"""The `spear` command through typer's runner, on tiny settings."""
+
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from spear.cli import app
+
+runner = CliRunner()
+TINY = ["--batch-size", "5", "--width", "60", "--depth", "3"]
+
+
+def test_attack_json_end_to_end_exact(tmp_path):
+    result = runner.invoke(app, ["attack", *TINY, "--json", "--out", str(tmp_path)])
+    assert result.exit_code == 0, result.output
+    payload = json.loads(result.stdout[result.stdout.index("{") :])
+    assert payload["verified"] is True and payload["metrics"]["accuracy"] == 1.0
+    for key in ("psnr", "ssim", "mse", "lpips"):
+        assert key in payload["metrics"]
+    assert payload["metrics"]["psnr"] > 150 and payload["metrics"]["ssim"] > 0.9999
+    assert payload["stats"]["proposals"] > 0 and payload["stats"]["seconds"] >= 0
+    assert payload["settings"]["batch_size"] == 5 and "torch" in payload["versions"]
+    assert {p.name for p in tmp_path.iterdir()} == {"result.json", "grid.png", "per_sample.csv"}
+    saved = json.loads((tmp_path / "result.json").read_text())
+    assert saved["verified"] is True
+    rows = (tmp_path / "per_sample.csv").read_text().splitlines()
+    assert rows[0].startswith("sample,") and len(rows) == 6
+
+
+def test_attack_table_output():
+    result = runner.invoke(app, ["attack", *TINY, "--dataset", "digits"])
+    assert result.exit_code == 0, result.output
+    assert "exact batch" in result.output and "verified" in result.output
+
+
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["attack", "--dataset", "cifar-100"], "unknown data set"),
+        (["attack", "--batch-size", "300"], "must be smaller than --width"),
+        (["attack", "--depth", "1"], "--depth must be >= 2"),
+        (["theory", "--batch-size", "30", "--width", "20"], "below the layer width"),
+        (["evaluate", "--batches", "0"], "--batches must be >= 1"),
+    ],
+)
+def test_bad_arguments_exit_with_one_line(args, message):
+    result = runner.invoke(app, args)
+    assert result.exit_code == 2
+    assert message in result.output
+    assert "Traceback" not in result.output
+
+
+def test_theory_command():
+    result = runner.invoke(app, ["theory", "--batch-size", "16", "--width", "400", "--json"])
+    assert result.exit_code == 0
+    data = json.loads(result.stdout)
+    assert data["tau"] == pytest.approx(0.395)
+    assert data["expected_proposals"] == pytest.approx(1.8e5, rel=0.02)
+    table = runner.invoke(app, ["theory"])
+    assert "Lemma 5.2" in table.output
+
+
+def test_evaluate_resumes(tmp_path, monkeypatch):
+    path = tmp_path / "runs.jsonl"
+    first = runner.invoke(app, ["evaluate", "--batches", "2", "--results", str(path), *TINY, "--json"])
+    assert first.exit_code == 0, first.output
+    assert len(path.read_text().splitlines()) == 2
+    # a torn line from an interrupted write is ignored and that batch re-run
+    with open(path, "a") as fh:
+        fh.write('{"batch_index": 2, "sett')
+    import spear.experiments.sweep as sweep
+
+    calls = []
+    original = sweep.run_experiment
+
+    def counting(settings, progress=None):
+        calls.append(settings.seed)
+        return original(settings, progress)
+
+    monkeypatch.setattr(sweep, "run_experiment", counting)
+    second = runner.invoke(app, ["evaluate", "--batches", "3", "--results", str(path), *TINY, "--json"])
+    assert second.exit_code == 0, second.output
+    assert calls == [2]  # only the missing batch ran
+    summary = json.loads(second.stdout[second.stdout.index("{") :])
+    assert summary["batches"] == 3 and summary["accuracy"]["mean"] == 1.0
+    assert summary["psnr"]["mean"] > 150 and summary["psnr"]["ci95"] is not None
+
+
+def test_datasets_command():
+    result = runner.invoke(app, ["datasets"])
+    assert result.exit_code == 0 and "mnist" in result.output

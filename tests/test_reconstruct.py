@@ -131,7 +131,7 @@ def test_exhausted_budget_returns_honest_unverified_result():
 
 def test_time_budget_stops():
     client = make_client(22, width=200, seed=18)
-    rec = spear.reconstruct(*client.layer_args(), time_budget=0.5, chunk_size=256)
+    rec = spear.reconstruct(*client.layer_args(), time_budget=0.5, chunk_size=256, proposer="sampling")
     assert rec.stats.stop_reason == "time budget" and not rec.verified
     assert rec.stats.seconds < 5
 

@@ -17,8 +17,12 @@ import torch
 DEFAULT_ZERO_RTOL = {torch.float64: 1e-9, torch.float32: 1e-4}
 #: smallest ratio s_{b-1} / s_1 of the zero rows for the kernel to count as one-dimensional
 KERNEL_GAP_RTOL = 1e-7
+#: a row whose leverage is within this of 1 is essential to the kernel (see _kernel_of_rows)
+ESSENTIAL_ROW_TOL = 1e-6
 #: two unit directions with |cos| above this are the same direction
 DUPLICATE_COS = 1.0 - 1e-9
+#: how many numbers one batched kernel step may hold (hints x rows x b)
+SNAP_CHUNK_ELEMENTS = 2**24
 
 
 def zero_mask(values: torch.Tensor, zero_rtol: float) -> torch.Tensor:
@@ -29,13 +33,50 @@ def zero_mask(values: torch.Tensor, zero_rtol: float) -> torch.Tensor:
 
 def _kernel_of_rows(L: torch.Tensor, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Smallest right singular vector of ``L[rows_i]`` for each mask ``rows_i`` (k x m), and
-    whether that kernel is one-dimensional. Masked-out rows are zeroed, which changes neither
-    the right singular vectors nor the nonzero singular values."""
+    whether it is a *robust* one-dimensional kernel. Masked-out rows are zeroed, which changes
+    neither the right singular vectors nor the nonzero singular values.
+
+    Robust means no row is essential (leverage 1 in the rank-(b-1) row space): a mixture of t
+    true directions vanishes on the rows where all t columns are zero (a t-dimensional kernel)
+    plus t-1 further rows that cut it down to one dimension, and each of those is essential,
+    whereas the ~m/2 zero rows of a true column are in general position.
+    """
     masked = L.unsqueeze(0) * rows.unsqueeze(-1).to(L.dtype)  # (k, m, b)
-    _, S, Vh = torch.linalg.svd(masked, full_matrices=False)
+    U, S, Vh = torch.linalg.svd(masked, full_matrices=False)
     kernel = Vh[:, -1, :]
     one_dimensional = S[:, -2] > KERNEL_GAP_RTOL * S[:, 0]
-    return kernel, one_dimensional
+    leverage = (U[:, :, :-1] ** 2).sum(dim=-1)  # (k, m): 1 for an essential row
+    robust = (leverage < 1.0 - ESSENTIAL_ROW_TOL).all(dim=1)
+    return kernel, one_dimensional & robust
+
+
+def _kernel_of_exact_subsets(L: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """Kernel of ``L[rows_i]`` for masks with exactly b-1 rows, by a batched LU solve (cheap);
+    singular systems give non-finite vectors, which the zero count then rejects."""
+    b = L.shape[1]
+    idx = rows.nonzero()[:, 1].reshape(rows.shape[0], b - 1)
+    L_A = L[idx]
+    y, _ = torch.linalg.solve_ex(L_A[:, :, : b - 1], -L_A[:, :, b - 1 :])
+    ones = torch.ones(y.shape[0], 1, dtype=L.dtype, device=L.device)
+    q = torch.cat([y.squeeze(-1), ones], dim=1)
+    return q / q.norm(dim=1, keepdim=True)
+
+
+def _first_kernel(L: torch.Tensor, rows: torch.Tensor, chunk: int) -> torch.Tensor:
+    """Kernel directions of the hinted rows: LU for (b-1)-row hints, the smallest eigenvector of
+    ``L_A^T L_A`` for larger ones (refined exactly later), in memory-bounded chunks."""
+    b = L.shape[1]
+    out = torch.empty(rows.shape[0], b, dtype=L.dtype, device=L.device)
+    counts = rows.sum(dim=1)
+    exact = counts == b - 1
+    if bool(exact.any()):
+        out[exact] = _kernel_of_exact_subsets(L, rows[exact])
+    rest = (~exact).nonzero()[:, 0]
+    for part in rest.split(chunk):
+        gram = torch.einsum("mi,km,mj->kij", L, rows[part].to(L.dtype), L)
+        _, vecs = torch.linalg.eigh(gram)
+        out[part] = vecs[:, :, 0]
+    return out
 
 
 @dataclass
@@ -58,9 +99,11 @@ def snap_and_filter(
     """Make rough directions exact and keep those that pass the sparsity filter.
 
     1. The zero set is ``zero_hint`` (or the rows with ``|L q| <= hint_rtol max|L q|``).
-    2. ``q`` is replaced by the kernel of those rows of L (rejected unless one-dimensional).
-    3. The exact zero set of the new ``L q`` (``zero_rtol``) is computed; the kernel is solved
-       once more on it, and the direction is kept iff it has >= ``threshold_count`` zeros.
+    2. ``q`` is replaced by the kernel of those rows of L (LU for b-1 rows, else eigh).
+    3. Directions whose ``L q`` has fewer than ``threshold_count`` exact zeros are dropped.
+    4. The survivors are re-solved by SVD on their full exact zero set (rejected unless that
+       kernel is one-dimensional with no essential row, which rejects mixtures) and counted
+       once more.
     """
     b = L.shape[1]
     empty = SnapResult(
@@ -70,17 +113,24 @@ def snap_and_filter(
     )
     if directions.shape[0] == 0:
         return empty
-    q = directions.to(L.dtype)
-    rows = zero_hint if zero_hint is not None else zero_mask(q @ L.T, hint_rtol)
-    enough = rows.sum(dim=1) >= b - 1
-    q, rows = q[enough], rows[enough]
-    for _ in range(2):  # snap on the hinted rows, then once more on the exact zero set
-        if q.shape[0] == 0:
-            return empty
-        q, one_dim = _kernel_of_rows(L, rows)
-        rows = zero_mask(q @ L.T, zero_rtol)
-        keep = one_dim & (rows.sum(dim=1) >= threshold_count)
-        q, rows = q[keep], rows[keep]
+    q_rough = directions.to(L.dtype)
+    del directions  # the hinted rows define the kernel; the rough direction only chose them
+    rows = zero_hint if zero_hint is not None else zero_mask(q_rough @ L.T, hint_rtol)
+    rows = rows[rows.sum(dim=1) >= b - 1]
+    if rows.shape[0] == 0:
+        return empty
+    chunk = max(1, SNAP_CHUNK_ELEMENTS // (L.shape[0] * b))
+    q = _first_kernel(L, rows, chunk)
+    rows = zero_mask(q @ L.T, zero_rtol)
+    keep = torch.isfinite(q).all(dim=1) & (rows.sum(dim=1) >= threshold_count)
+    q, rows = q[keep], rows[keep]
+    if q.shape[0] == 0:
+        return empty
+    # exact re-solve on the full zero set, with the one-dimensional-kernel check
+    q, one_dim = _kernel_of_rows(L, rows)
+    rows = zero_mask(q @ L.T, zero_rtol)
+    keep = one_dim & (rows.sum(dim=1) >= threshold_count)
+    q, rows = q[keep], rows[keep]
     if q.shape[0] == 0:
         return empty
     # canonical sign: the largest-magnitude entry is positive

@@ -16,7 +16,13 @@ from spear import theory
 from spear.core.filtering import DEFAULT_ZERO_RTOL, CandidatePool, snap_and_filter
 from spear.core.greedy import Selection, greedy_filter
 from spear.core.lowrank import low_rank_split
-from spear.core.proposers import DirectionProposer, ProposalContext, RandomSubmatrixSampler
+from spear.core.proposers import (
+    PROPOSERS,
+    AutoProposer,
+    DirectionProposer,
+    ProposalContext,
+    RandomSubmatrixSampler,
+)
 from spear.core.scale import LayerProblem, SparsityMode
 from spear.core.verify import DEFAULT_VERIFY_RTOL, verify
 from spear.errors import InputError, NoSparsityError
@@ -61,7 +67,9 @@ class AttackOptions:
         rank_rtol: relative singular-value threshold of the rank estimate.
         zero_rtol: entries below ``zero_rtol * max`` count as zeros.
         verify_rtol: relative tolerance of the gradient verification.
-        proposer: a :class:`DirectionProposer`, or "sampling".
+        proposer: a :class:`DirectionProposer`, or a name: "auto" (default: random sampling for
+            small batches, ICA+IRLS with sampling as fallback for large ones), "sampling" (the
+            paper's Algorithm 1), "irls" (polynomial-time sparse recovery only).
         progress: called with a :class:`ProgressEvent` after every step.
     """
 
@@ -79,7 +87,7 @@ class AttackOptions:
     rank_rtol: float | None = None
     zero_rtol: float | None = None
     verify_rtol: float | None = None
-    proposer: DirectionProposer | str = "sampling"
+    proposer: DirectionProposer | str = "auto"
     progress: Callable[[ProgressEvent], None] | None = field(default=None, compare=False)
 
 
@@ -155,11 +163,18 @@ def default_max_proposals(b: int) -> int:
 
 
 def make_proposer(spec: DirectionProposer | str, chunk_size: int) -> DirectionProposer:
+    """A proposer instance from a name in :data:`PROPOSERS` (or an instance, used as is)."""
     if isinstance(spec, DirectionProposer):
         return spec
     if spec == "sampling":
         return RandomSubmatrixSampler(chunk_size=chunk_size)
-    raise InputError(f"unknown proposer {spec!r}; use 'sampling' or pass a DirectionProposer instance")
+    if spec == "auto":
+        return AutoProposer(chunk_size=chunk_size)
+    if spec in PROPOSERS:
+        return PROPOSERS[spec]()
+    raise InputError(
+        f"unknown proposer {spec!r}; use one of {sorted(PROPOSERS)} or pass a DirectionProposer instance"
+    )
 
 
 def run_attack(
@@ -265,6 +280,7 @@ def run_attack(
         generator=generator,
         proposal_dtype=options.proposal_dtype,
         found=pool.directions,
+        problem=problem,
     )
     best: Selection | None = None
     drawn = 0
@@ -278,8 +294,9 @@ def run_attack(
             batch = proposer.propose(ctx, budget - drawn)
             drawn += batch.n_drawn
             snapped = snap_and_filter(factor, batch.directions, batch.zero_hint, threshold, zero_rtol)
-            if pool.add(snapped) and len(pool) >= b:
-                ctx.found = pool.directions
+            added = pool.add(snapped)
+            ctx.found = pool.directions  # proposers deflate against / guide from every candidate
+            if added and len(pool) >= b:
                 selection = greedy_filter(problem, pool.directions, pool.zero_masks, pool.zero_counts)
                 if selection is not None and (best is None or selection.sigma >= best.sigma):
                     best = selection

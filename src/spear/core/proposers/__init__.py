@@ -7,5 +7,25 @@ be right, only often right. A new strategy is one new file with one :class:`Dire
 
 from spear.core.proposers.base import DirectionProposer, ProposalBatch, ProposalContext
 from spear.core.proposers.sampling import RandomSubmatrixSampler
+from spear.core.proposers.sparse_recovery import SparseRecoveryProposer
+from spear.core.proposers.guided import GuidedSampler
+from spear.core.proposers.auto import AutoProposer  # noqa: I001 (depends on the ones above)
 
-__all__ = ["DirectionProposer", "ProposalBatch", "ProposalContext", "RandomSubmatrixSampler"]
+#: proposers selectable by name (``proposer="..."``)
+PROPOSERS = {
+    "sampling": RandomSubmatrixSampler,
+    "irls": SparseRecoveryProposer,
+    "guided": GuidedSampler,
+    "auto": AutoProposer,
+}
+
+__all__ = [
+    "PROPOSERS",
+    "AutoProposer",
+    "DirectionProposer",
+    "GuidedSampler",
+    "ProposalBatch",
+    "ProposalContext",
+    "RandomSubmatrixSampler",
+    "SparseRecoveryProposer",
+]

@@ -7,6 +7,8 @@ from dataclasses import dataclass
 
 import torch
 
+from spear.core.scale import LayerProblem
+
 
 @dataclass
 class ProposalContext:
@@ -21,6 +23,8 @@ class ProposalContext:
         proposal_dtype: dtype proposals may be computed in (float32 for speed); the core re-solves
             every survivor in float64.
         found: exact unit directions already accepted (k x b), for proposers that deflate.
+        problem: the layer (W, b, L, R, dL/db) for proposers that use more than L; all of it is
+            what the server sees.
     """
 
     L: torch.Tensor
@@ -29,6 +33,7 @@ class ProposalContext:
     generator: torch.Generator
     proposal_dtype: torch.dtype
     found: torch.Tensor
+    problem: LayerProblem | None = None
 
     @property
     def rows(self) -> int:

@@ -5,11 +5,11 @@ snaps and checks every proposal exactly (:mod:`spear.core.filtering`), so a prop
 be right, only often right. A new strategy is one new file with one :class:`DirectionProposer`.
 """
 
+from spear.core.proposers.auto import AutoProposer
 from spear.core.proposers.base import DirectionProposer, ProposalBatch, ProposalContext
+from spear.core.proposers.guided import GuidedSampler
 from spear.core.proposers.sampling import RandomSubmatrixSampler
 from spear.core.proposers.sparse_recovery import SparseRecoveryProposer
-from spear.core.proposers.guided import GuidedSampler
-from spear.core.proposers.auto import AutoProposer  # noqa: I001 (depends on the ones above)
 
 #: proposers selectable by name (``proposer="..."``)
 PROPOSERS = {

@@ -21,7 +21,9 @@ class AutoProposer(DirectionProposer):
 
     name = "auto"
 
-    def __init__(self, chunk_size: int = 4096, sampling_only_below: int = 14, sampling_every: int = 6) -> None:
+    def __init__(
+        self, chunk_size: int = 4096, sampling_only_below: int = 14, sampling_every: int = 6
+    ) -> None:
         self.sampler = RandomSubmatrixSampler(chunk_size)
         self.recovery = SparseRecoveryProposer()
         self.guided = GuidedSampler()

@@ -1,0 +1,166 @@
+"""Issue: large batches. Each proposer behind the one interface; mixtures never get accepted."""
+
+import pytest
+import torch
+from tests.conftest import assert_exact, make_client
+
+import spear
+from spear.core.filtering import snap_and_filter, zero_mask
+from spear.core.lowrank import low_rank_split
+from spear.core.proposers import (
+    AutoProposer,
+    GuidedSampler,
+    ProposalContext,
+    RandomSubmatrixSampler,
+    SparseRecoveryProposer,
+)
+from spear.core.proposers.sparse_recovery import irls_sphere
+from spear.core.scale import LayerProblem
+from spear.theory import sparsity_threshold_count
+
+
+def setup(b, width, seed, depth=3):
+    client = make_client(b, width=width, depth=depth, seed=seed)
+    W, bias, GW, Gb = (t.detach() for t in client.layer_args())
+    split = low_rank_split(GW)
+    problem = LayerProblem(W, bias, Gb, split.L, split.R)
+    Qt = torch.linalg.lstsq(split.L, client.grad_z).solution
+    Qt = Qt / Qt.norm(dim=0)
+    ctx = ProposalContext(
+        L=split.L,
+        batch_size=b,
+        threshold_count=sparsity_threshold_count(width, 1e-5),
+        generator=torch.Generator().manual_seed(seed),
+        proposal_dtype=torch.float32,
+        found=torch.empty(0, b, dtype=torch.float64),
+        problem=problem,
+    )
+    return client, split, Qt, ctx
+
+
+def accepted_are_true(snapped, Qt):
+    if snapped.directions.shape[0] == 0:
+        return True
+    return bool(((snapped.directions @ Qt).abs().amax(dim=1) > 1 - 1e-9).all())
+
+
+def test_polynomial_proposers_recover_b48_exactly():
+    # IRLS + complement-guided sampling only (random sampling switched off): polynomial time
+    client = make_client(48, width=400, depth=3, seed=0)
+    polynomial = AutoProposer(sampling_every=10**9)
+    rec = spear.reconstruct(*client.layer_args(), proposer=polynomial, time_budget=120)
+    assert rec.verified, rec.message
+    assert rec.batch_size == 48 and rec.sigma == 1.0
+    assert_exact(rec.inputs, client.inputs, 1e-6)
+
+
+def test_auto_is_default_and_recovers_b24():
+    client = make_client(24, width=240, depth=3, seed=1)
+    rec = spear.reconstruct(*client.layer_args(), time_budget=120)
+    assert rec.verified and rec.stats.proposer == "auto"
+    assert_exact(rec.inputs, client.inputs, 1e-6)
+
+
+def test_proposers_selectable_by_name():
+    client = make_client(6, width=100, seed=2)
+    for name in ("sampling", "irls", "auto"):
+        rec = spear.reconstruct(*client.layer_args(), proposer=name, time_budget=60)
+        assert rec.verified and rec.stats.proposer == name
+        assert_exact(rec.inputs, client.inputs)
+
+
+def test_essential_row_check_rejects_a_mixture_that_passes_the_count():
+    _, split, Qt, _ = setup(12, 200, 3)
+    mixture = Qt[:, 0] + Qt[:, 1]
+    r = split.L @ mixture
+    common = zero_mask(r[None], 1e-9)[0]  # rows where both columns vanish
+    # add b - 1 - 1 = 10 further rows... one extra row suffices to make the kernel 1-D:
+    extra = int((~common).nonzero()[0])
+    L = split.L
+    # the kernel of common rows + one extra row: a mixture of columns 0 and 1
+    hint = common.clone()
+    hint[extra] = True
+    low_threshold = int(common.sum()) // 2  # so that the zero count alone would accept it
+    out = snap_and_filter(L, mixture[None], hint[None], low_threshold, 1e-9)
+    assert out.directions.shape[0] == 0
+    # the true column with the same low threshold is accepted
+    truth = snap_and_filter(L, Qt[:, 0][None], zero_mask((L @ Qt[:, 0])[None], 1e-9), low_threshold, 1e-9)
+    assert truth.directions.shape[0] == 1 and accepted_are_true(truth, Qt)
+
+
+def test_sampler_fed_mixture_rows_is_rejected():
+    b = 10
+    _, split, Qt, ctx = setup(b, 200, 4)
+    zero_cols = zero_mask((split.L @ Qt).T, 1e-9)  # (b, m)
+    common = (zero_cols[0] & zero_cols[1]).nonzero()[:, 0]
+    others = (~zero_cols[0] & ~zero_cols[1]).nonzero()[:, 0]
+    assert common.numel() >= b - 2
+    # (b-1)-row sets whose kernel is a mixture of columns 0 and 1
+    rows = torch.stack(
+        [torch.cat([common[torch.randperm(common.numel())[: b - 2]], others[i : i + 1]]) for i in range(20)]
+    )
+    hint = torch.zeros(20, 200, dtype=torch.bool)
+    hint.scatter_(1, rows, True)
+    out = snap_and_filter(split.L, torch.zeros(20, b, dtype=torch.float64), hint, ctx.threshold_count, 1e-9)
+    assert out.directions.shape[0] == 0
+    # and the sampler's own proposals only ever yield true directions
+    batch = RandomSubmatrixSampler(4096).propose(ctx, 4096)
+    snapped = snap_and_filter(split.L, batch.directions, batch.zero_hint, ctx.threshold_count, 1e-9)
+    assert snapped.directions.shape[0] > 0 and accepted_are_true(snapped, Qt)
+
+
+def test_irls_started_from_a_mixture_yields_only_true_directions():
+    b = 16
+    _, split, Qt, ctx = setup(b, 200, 5)
+    proposer = SparseRecoveryProposer(starts_per_call=8, ica_restarts=0)
+    proposer._prepare(ctx)
+    U, T = proposer.U, proposer.T
+    mixture = (T @ (Qt[:, 2] + 0.7 * Qt[:, 3]))[None]
+    proposer._queue = [mixture.repeat(8, 1) + 0.01 * torch.randn(8, b, dtype=torch.float64)]
+    batch = proposer.propose(ctx, 10_000)
+    snapped = snap_and_filter(split.L, batch.directions, batch.zero_hint, ctx.threshold_count, 1e-9)
+    assert accepted_are_true(snapped, Qt)
+    # IRLS itself moves a rough start onto a true direction
+    start = T @ (Qt[:, 4] + 0.3 * Qt[:, 5])
+    p = irls_sphere(U, start[None], 80)
+    q = torch.linalg.solve_triangular(T, p.T, upper=True).T
+    assert float((q / q.norm() @ Qt).abs().max()) > 0.999999
+
+
+def test_guided_with_a_mixed_approximate_input_yields_only_true_directions():
+    b = 16
+    client, split, Qt, ctx = setup(b, 200, 6)
+    blend = (client.inputs[0] + client.inputs[1]) / 2
+    guided = GuidedSampler(
+        approximate_inputs=torch.stack([blend, client.inputs[2] + 0.05]), guesses_per_call=64
+    )
+    batch = guided.propose(ctx, 10_000)
+    snapped = snap_and_filter(split.L, batch.directions, batch.zero_hint, ctx.threshold_count, 1e-9)
+    assert accepted_are_true(snapped, Qt)
+    assert snapped.directions.shape[0] > 0  # the near-copy of input 2 guides to its column
+
+
+def test_complement_guided_finds_the_missing_columns():
+    b = 20
+    _, split, Qt, ctx = setup(b, 200, 7)
+    missing = [3, 11, 17]
+    keep = [i for i in range(b) if i not in missing]
+    ctx.found = Qt[:, keep].T.contiguous()
+    hits = set()
+    guided = GuidedSampler()
+    for _ in range(10):
+        batch = guided.propose(ctx, 10_000)
+        snapped = snap_and_filter(split.L, batch.directions, batch.zero_hint, ctx.threshold_count, 1e-9)
+        assert accepted_are_true(snapped, Qt)
+        if snapped.directions.shape[0]:
+            hits |= set((snapped.directions @ Qt).abs().argmax(dim=1).tolist())
+        if set(missing) <= hits:
+            break
+    assert set(missing) <= hits
+
+
+def test_guided_needs_output_problem():
+    *_, ctx = setup(6, 80, 8)
+    ctx.problem = None
+    with pytest.raises(spear.InputError, match="guided sampling"):
+        GuidedSampler().propose(ctx, 100)

@@ -5,7 +5,7 @@ TORCH_SPEC ?= torch==2.13.0
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install test lint bench clean
+.PHONY: install test lint demo bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -24,8 +24,12 @@ test: $(STAMP)
 	$(VENV)/bin/ruff check src tests benchmarks
 	$(PY) -m pytest
 
+demo: $(STAMP)
+	$(VENV)/bin/spear attack --out runs/demo
+
 bench: $(STAMP)
 	$(PY) benchmarks/bench_sampling.py
+	$(PY) benchmarks/bench_scaling.py
 
 clean:
 	rm -rf $(VENV) build dist src/*.egg-info .pytest_cache .ruff_cache

@@ -39,9 +39,12 @@ def setup(b, width, seed, depth=3):
 
 
 def accepted_are_true(snapped, Qt):
-    if snapped.directions.shape[0] == 0:
+    """Every candidate trusted for guidance (robust) is a true direction; a wrong one may only
+    enter the pool flagged non-robust, for the greedy selection to reject."""
+    trusted = snapped.directions[snapped.robust]
+    if trusted.shape[0] == 0:
         return True
-    return bool(((snapped.directions @ Qt).abs().amax(dim=1) > 1 - 1e-9).all())
+    return bool(((trusted @ Qt).abs().amax(dim=1) > 1 - 1e-9).all())
 
 
 def test_polynomial_proposers_recover_b48_exactly():
@@ -69,23 +72,28 @@ def test_proposers_selectable_by_name():
         assert_exact(rec.inputs, client.inputs)
 
 
-def test_essential_row_check_rejects_a_mixture_that_passes_the_count():
+def test_essential_row_flags_a_mixture_that_passes_the_count():
     _, split, Qt, _ = setup(12, 200, 3)
-    mixture = Qt[:, 0] + Qt[:, 1]
-    r = split.L @ mixture
-    common = zero_mask(r[None], 1e-9)[0]  # rows where both columns vanish
-    # add b - 1 - 1 = 10 further rows... one extra row suffices to make the kernel 1-D:
-    extra = int((~common).nonzero()[0])
     L = split.L
-    # the kernel of common rows + one extra row: a mixture of columns 0 and 1
+    mixture = Qt[:, 0] + Qt[:, 1]
+    common = zero_mask((L @ mixture)[None], 1e-9)[0]  # rows where both columns vanish
+    extra = int((~common).nonzero()[0])  # one more row makes the kernel one-dimensional
     hint = common.clone()
     hint[extra] = True
     low_threshold = int(common.sum()) // 2  # so that the zero count alone would accept it
     out = snap_and_filter(L, mixture[None], hint[None], low_threshold, 1e-9)
-    assert out.directions.shape[0] == 0
-    # the true column with the same low threshold is accepted
+    assert out.directions.shape[0] == 1 and not bool(out.robust[0])  # exact kernel, never trusted
+    assert float((out.directions[0] @ Qt).abs().max()) < 0.999
     truth = snap_and_filter(L, Qt[:, 0][None], zero_mask((L @ Qt[:, 0])[None], 1e-9), low_threshold, 1e-9)
-    assert truth.directions.shape[0] == 1 and accepted_are_true(truth, Qt)
+    assert truth.directions.shape[0] == 1 and bool(truth.robust[0]) and accepted_are_true(truth, Qt)
+    # the pool keeps both, but only the true one is trusted for deflation and guidance
+    from spear.core.filtering import CandidatePool
+
+    pool = CandidatePool(12, 200)
+    pool.add(out)
+    pool.add(truth)
+    assert len(pool) == 2 and pool.trusted.shape[0] == 1
+    assert float((pool.trusted[0] @ Qt[:, 0]).abs()) > 1 - 1e-12
 
 
 def test_sampler_fed_mixture_rows_is_rejected():
@@ -102,7 +110,7 @@ def test_sampler_fed_mixture_rows_is_rejected():
     hint = torch.zeros(20, 200, dtype=torch.bool)
     hint.scatter_(1, rows, True)
     out = snap_and_filter(split.L, torch.zeros(20, b, dtype=torch.float64), hint, ctx.threshold_count, 1e-9)
-    assert out.directions.shape[0] == 0
+    assert accepted_are_true(out, Qt)  # no mixture is trusted (most are rejected by the count)
     # and the sampler's own proposals only ever yield true directions
     batch = RandomSubmatrixSampler(4096).propose(ctx, 4096)
     snapped = snap_and_filter(split.L, batch.directions, batch.zero_hint, ctx.threshold_count, 1e-9)

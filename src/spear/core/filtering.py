@@ -31,15 +31,19 @@ def zero_mask(values: torch.Tensor, zero_rtol: float) -> torch.Tensor:
     return magnitude <= magnitude.amax(dim=-1, keepdim=True) * zero_rtol
 
 
-def _kernel_of_rows(L: torch.Tensor, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Smallest right singular vector of ``L[rows_i]`` for each mask ``rows_i`` (k x m), and
-    whether it is a *robust* one-dimensional kernel. Masked-out rows are zeroed, which changes
-    neither the right singular vectors nor the nonzero singular values.
+def _kernel_of_rows(L: torch.Tensor, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Smallest right singular vector of ``L[rows_i]`` for each mask ``rows_i`` (k x m), whether
+    that kernel is one-dimensional, and whether it is *robust*. Masked-out rows are zeroed, which
+    changes neither the right singular vectors nor the nonzero singular values.
 
-    Robust means no row is essential (leverage 1 in the rank-(b-1) row space): a mixture of t
+    Robust means no row is essential (leverage 1 in the rank-(b-1) row space). A mixture of t
     true directions vanishes on the rows where all t columns are zero (a t-dimensional kernel)
-    plus t-1 further rows that cut it down to one dimension, and each of those is essential,
-    whereas the ~m/2 zero rows of a true column are in general position.
+    plus t-1 further rows that cut it down to one dimension, each of them essential; the ~m/2
+    zero rows of a true column are normally in general position. Normally: when a similar
+    sample's zero set contains all but one of a true column's zero rows, that row is essential
+    too, and L alone cannot tell the two cases apart. Non-robust candidates therefore stay in
+    the pool for the greedy selection (which also uses W and b) but are not trusted for
+    deflation and guidance.
     """
     masked = L.unsqueeze(0) * rows.unsqueeze(-1).to(L.dtype)  # (k, m, b)
     U, S, Vh = torch.linalg.svd(masked, full_matrices=False)
@@ -47,7 +51,7 @@ def _kernel_of_rows(L: torch.Tensor, rows: torch.Tensor) -> tuple[torch.Tensor, 
     one_dimensional = S[:, -2] > KERNEL_GAP_RTOL * S[:, 0]
     leverage = (U[:, :, :-1] ** 2).sum(dim=-1)  # (k, m): 1 for an essential row
     robust = (leverage < 1.0 - ESSENTIAL_ROW_TOL).all(dim=1)
-    return kernel, one_dimensional & robust
+    return kernel, one_dimensional, robust
 
 
 def _kernel_of_exact_subsets(L: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
@@ -86,6 +90,7 @@ class SnapResult:
     directions: torch.Tensor  # (k, b) unit vectors, float64
     zero_masks: torch.Tensor  # (k, rows) bool
     zero_counts: torch.Tensor  # (k,) int
+    robust: torch.Tensor | None = None  # (k,) bool: no essential row (see _kernel_of_rows)
 
 
 def snap_and_filter(
@@ -102,14 +107,15 @@ def snap_and_filter(
     2. ``q`` is replaced by the kernel of those rows of L (LU for b-1 rows, else eigh).
     3. Directions whose ``L q`` has fewer than ``threshold_count`` exact zeros are dropped.
     4. The survivors are re-solved by SVD on their full exact zero set (rejected unless that
-       kernel is one-dimensional with no essential row, which rejects mixtures) and counted
-       once more.
+       kernel is one-dimensional), counted once more, and flagged robust when no zero row is
+       essential (mixtures never are; see ``_kernel_of_rows``).
     """
     b = L.shape[1]
     empty = SnapResult(
         torch.empty(0, b, dtype=L.dtype, device=L.device),
         torch.empty(0, L.shape[0], dtype=torch.bool, device=L.device),
         torch.empty(0, dtype=torch.long, device=L.device),
+        torch.empty(0, dtype=torch.bool, device=L.device),
     )
     if directions.shape[0] == 0:
         return empty
@@ -127,16 +133,16 @@ def snap_and_filter(
     if q.shape[0] == 0:
         return empty
     # exact re-solve on the full zero set, with the one-dimensional-kernel check
-    q, one_dim = _kernel_of_rows(L, rows)
+    q, one_dim, robust = _kernel_of_rows(L, rows)
     rows = zero_mask(q @ L.T, zero_rtol)
     keep = one_dim & (rows.sum(dim=1) >= threshold_count)
-    q, rows = q[keep], rows[keep]
+    q, rows, robust = q[keep], rows[keep], robust[keep]
     if q.shape[0] == 0:
         return empty
     # canonical sign: the largest-magnitude entry is positive
     pivot = q.abs().argmax(dim=1, keepdim=True)
     q = q * torch.sign(q.gather(1, pivot))
-    return SnapResult(q, rows, rows.sum(dim=1))
+    return SnapResult(q, rows, rows.sum(dim=1), robust)
 
 
 @dataclass
@@ -150,11 +156,18 @@ class CandidatePool:
     directions: torch.Tensor = field(init=False)
     zero_masks: torch.Tensor = field(init=False)
     zero_counts: torch.Tensor = field(init=False)
+    robust: torch.Tensor = field(init=False)
 
     def __post_init__(self) -> None:
         self.directions = torch.empty(0, self.batch_size, dtype=self.dtype, device=self.device)
         self.zero_masks = torch.empty(0, self.rows, dtype=torch.bool, device=self.device)
         self.zero_counts = torch.empty(0, dtype=torch.long, device=self.device)
+        self.robust = torch.empty(0, dtype=torch.bool, device=self.device)
+
+    @property
+    def trusted(self) -> torch.Tensor:
+        """The robust candidates (no essential zero row): what proposers deflate against."""
+        return self.directions[self.robust]
 
     def __len__(self) -> int:
         return int(self.directions.shape[0])
@@ -169,5 +182,7 @@ class CandidatePool:
             self.directions = torch.cat([self.directions, q[None]])
             self.zero_masks = torch.cat([self.zero_masks, snapped.zero_masks[i : i + 1]])
             self.zero_counts = torch.cat([self.zero_counts, snapped.zero_counts[i : i + 1]])
+            flag = True if snapped.robust is None else bool(snapped.robust[i])
+            self.robust = torch.cat([self.robust, torch.tensor([flag], device=self.robust.device)])
             added += 1
         return added

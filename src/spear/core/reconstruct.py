@@ -51,7 +51,7 @@ class AttackOptions:
 
     Attributes:
         max_proposals: proposal budget N (Algorithm 1). None: 20x Lemma 5.2's expectation,
-            clipped to [2e5, 2e9].
+            clipped to [1e6, 2e9].
         chunk_size: proposals per vectorized step.
         p_fr: false-rejection rate; tau follows from the binomial CDF (Section 4.1).
         seed: seed of every random choice.
@@ -156,10 +156,10 @@ class Reconstruction:
 
 
 def default_max_proposals(b: int) -> int:
-    """20x the expected proposal count of Lemma 5.2, clipped to [2e5, 2e9]."""
+    """20x the expected proposal count of Lemma 5.2, clipped to [1e6, 2e9]."""
     if b < 2:
         return 0
-    return int(min(2e9, max(2e5, 20 * theory.expected_proposals(b))))
+    return int(min(2e9, max(1e6, 20 * theory.expected_proposals(b))))
 
 
 def make_proposer(spec: DirectionProposer | str, chunk_size: int) -> DirectionProposer:
@@ -295,7 +295,7 @@ def run_attack(
             drawn += batch.n_drawn
             snapped = snap_and_filter(factor, batch.directions, batch.zero_hint, threshold, zero_rtol)
             added = pool.add(snapped)
-            ctx.found = pool.directions  # proposers deflate against / guide from every candidate
+            ctx.found = pool.trusted  # proposers deflate against / guide from robust candidates
             if added and len(pool) >= b:
                 selection = greedy_filter(problem, pool.directions, pool.zero_masks, pool.zero_counts)
                 if selection is not None and (best is None or selection.sigma >= best.sigma):

@@ -11,7 +11,9 @@ from spear.core.proposers.sparse_recovery import SparseRecoveryProposer
 class AutoProposer(DirectionProposer):
     """Combines the proposers by what they are good at.
 
-    * ``b <= sampling_only_below``: the paper's random sampler alone (milliseconds at this size).
+    * ``b <= sampling_only_below``: the paper's random sampler (milliseconds at this size), with
+      every 4th call complement-guided sampling once a direction is known: it finds the least
+      sparse columns that uniform sampling reaches only after millions of proposals.
     * Otherwise ICA + IRLS (:class:`SparseRecoveryProposer`) while it finds new directions; when
       it stalls, complement-guided sampling (:class:`GuidedSampler`) for the remaining columns,
       alternating with IRLS, and every ``sampling_every``-th call the random sampler as a safety
@@ -34,9 +36,14 @@ class AutoProposer(DirectionProposer):
         self._turn = 0
 
     def propose(self, ctx: ProposalContext, max_proposals: int) -> ProposalBatch:
-        if ctx.batch_size <= self.sampling_only_below:
-            return self.sampler.propose(ctx, max_proposals)
         found = ctx.found.shape[0]
+        guided_ok = ctx.problem is not None and ctx.problem.mode == "output" and found > 0
+        if ctx.batch_size <= self.sampling_only_below:
+            # sampling finds most columns in milliseconds; guided sampling takes the least sparse
+            self._turn += 1
+            if guided_ok and self._turn % 4 == 0:
+                return self.guided.propose(ctx, max_proposals)
+            return self.sampler.propose(ctx, max_proposals)
         progressed = found > self._last_found
         self._last_found = found
         self._turn += 1
@@ -47,7 +54,6 @@ class AutoProposer(DirectionProposer):
             self._stalled = not progressed and self._turn > 1
             if not self._stalled:
                 return self.recovery.propose(ctx, max_proposals)
-        guided_ok = ctx.problem is not None and ctx.problem.mode == "output" and found > 0
         if guided_ok and self._turn % 2 == 0:
             return self.guided.propose(ctx, max_proposals)
         return self.recovery.propose(ctx, max_proposals)

@@ -22,7 +22,8 @@ class ProposalContext:
         generator: the seeded random generator all randomness must come from.
         proposal_dtype: dtype proposals may be computed in (float32 for speed); the core re-solves
             every survivor in float64.
-        found: exact unit directions already accepted (k x b), for proposers that deflate.
+        found: exact, robust unit directions already accepted (k x b), for proposers that
+            deflate or guide (non-robust candidates are left out, see core.filtering).
         problem: the layer (W, b, L, R, dL/db) for proposers that use more than L; all of it is
             what the server sees.
     """

@@ -2,8 +2,8 @@
 
 The rows where sample i's pre-activation ``Z_i = W x_i + b`` is most negative are inactive, so
 they are zeros of column i of dL/dZ. Given guesses of inputs, random (b-1)-subsets of the
-``pool_fraction * m`` most negative rows are proposed as zero sets; the core solves each kernel
-exactly and keeps only exact directions.
+``pool_fraction * m`` most negative rows, and of all rows predicted negative, are proposed as
+zero sets; the core solves each kernel exactly and keeps only exact directions.
 
 The guesses come from one of two places:
 
@@ -30,7 +30,8 @@ class GuidedSampler(DirectionProposer):
     """Guided subsets of likely-zero rows.
 
     Args:
-        guesses_per_call: input guesses per call (each tried with both signs).
+        guesses_per_call: input guesses per call.
+        points_per_line: scales scanned on each random line through the complement.
         subsets_per_guess: random (b-1)-subsets drawn from each guess's pool.
         pool_fraction: pool size as a fraction of m.
         approximate_inputs: optional (k, n) approximate inputs; jittered copies are the guesses.
@@ -41,23 +42,25 @@ class GuidedSampler(DirectionProposer):
 
     def __init__(
         self,
-        guesses_per_call: int = 128,
+        guesses_per_call: int = 256,
         subsets_per_guess: int = 4,
+        points_per_line: int = 16,
         pool_fraction: float = 0.3,
         approximate_inputs: torch.Tensor | None = None,
         jitter: float = 0.05,
     ) -> None:
         self.guesses_per_call = guesses_per_call
+        self.points_per_line = points_per_line
         self.subsets_per_guess = subsets_per_guess
         self.pool_fraction = pool_fraction
         self.approximate_inputs = approximate_inputs
         self.jitter = jitter
 
-    def _guesses(self, ctx: ProposalContext) -> torch.Tensor:
-        """Input guesses X (n x S)."""
+    def _guessed_preactivations(self, ctx: ProposalContext) -> torch.Tensor:
+        """Guessed pre-activations Z (m x G), one column per guess."""
         problem = ctx.problem
         assert problem is not None
-        R = problem.R
+        R, W, bias = problem.R, problem.weight, problem.bias
         b, n = R.shape
         dtype, g = R.dtype, ctx.generator
         S = self.guesses_per_call
@@ -67,32 +70,68 @@ class GuidedSampler(DirectionProposer):
                 raise InputError(f"approximate_inputs must be (k, {n}), got {tuple(approx.shape)}")
             base = approx[torch.randint(0, approx.shape[0], (S,), generator=g)]
             noise = torch.randn(base.shape, generator=g, dtype=dtype) * base.norm(dim=1, keepdim=True)
-            return (base + self.jitter * noise / math.sqrt(n)).T
+            X = (base + self.jitter * noise / math.sqrt(n)).T
+            return W @ X + bias[:, None]
         found = ctx.found.to(dtype)
         if found.shape[0]:
             _, _, Vh = torch.linalg.svd(found, full_matrices=True)
             complement = Vh[found.shape[0] :].T  # b x (b-k), orthonormal
         else:
             complement = torch.eye(b, dtype=dtype)
-        p = complement @ torch.randn(complement.shape[1], S, generator=g, dtype=dtype)
-        X = R.T @ p
-        # inputs of unit feature variance, scale spread over a factor ~3 either way
-        scale = math.sqrt(n) * torch.exp(0.5 * torch.randn(1, S, generator=g, dtype=dtype))
-        return X / X.norm(dim=0, keepdim=True).clamp_min(1e-300) * scale
+        # lines t * u through the complement; the predicted inactive set {t a_r + bias_r <= 0}
+        # (a = W R^T u) changes only at the breakpoints t_r = -bias_r / a_r, so scanning the
+        # midpoints between breakpoints covers every scale of the unknown input. With one
+        # direction missing the line is exact and the scan contains its true zero set.
+        per_line = self.points_per_line if complement.shape[1] > 1 else problem.weight.shape[0] + 1
+        lines = max(1, S // per_line) if complement.shape[1] > 1 else 1
+        u = complement @ torch.randn(complement.shape[1], lines, generator=g, dtype=dtype)
+        a = W @ (R.T @ u)  # m x lines
+        columns = []
+        for j in range(lines):
+            t = self._scan_points(a[:, j], bias, per_line, g)
+            columns.append(t[None, :] * a[:, j : j + 1] + bias[:, None])
+        return torch.cat(columns, dim=1)
+
+    @staticmethod
+    def _scan_points(a: torch.Tensor, bias: torch.Tensor, count: int, g: torch.Generator) -> torch.Tensor:
+        """``count`` scales, one inside each of ``count`` (evenly spread) cells of the breakpoints."""
+        brk = (-bias / a)[a.abs() > 0].sort().values
+        if brk.numel() == 0:
+            return torch.tensor([-1.0, 1.0], dtype=a.dtype)
+        gaps = brk[1:] - brk[:-1]
+        span = float(brk[-1] - brk[0]) or 1.0
+        mids = torch.cat([brk[:1] - span, brk[:-1] + gaps / 2, brk[-1:] + span])
+        if mids.numel() > count:
+            idx = torch.linspace(0, mids.numel() - 1, count).round().long()
+            mids = mids[idx]
+        return mids
 
     def propose(self, ctx: ProposalContext, max_proposals: int) -> ProposalBatch:
         problem = ctx.problem
         b, m = ctx.batch_size, ctx.rows
         if problem is None or problem.mode != "output" or ctx.L is not problem.L:
             raise InputError("guided sampling needs the output-sparsity layer problem (W, b)")
-        X = self._guesses(ctx)
-        Z = problem.weight @ torch.cat([X, -X], dim=1) + problem.bias[:, None]  # m x 2S
+        Z = self._guessed_preactivations(ctx)  # m x G
         order = Z.T.argsort(dim=1)  # most negative rows first
-        pool = min(m, max(b + 1, int(self.pool_fraction * m)))
+        # two pools per guess: the most negative rows (reliable when the guess is rough), and all
+        # rows predicted inactive (generic rows: the most negative ones of one sample are often
+        # inactive for similar samples too, and a subset zero in two columns has a 2-D kernel)
+        tight = min(m, max(b + 1, int(self.pool_fraction * m)))
+        negative = (Z.T < 0).sum(dim=1).clamp(min=tight, max=m)  # (2S,)
         k = self.subsets_per_guess
-        picks = torch.rand(order.shape[0] * k, pool, generator=ctx.generator).argsort(dim=1)[:, : b - 1]
-        rows = order[:, :pool].repeat_interleave(k, dim=0).gather(1, picks)
-        hint = torch.zeros(rows.shape[0], m, dtype=torch.bool)
-        hint.scatter_(1, rows, True)
-        directions = torch.zeros(rows.shape[0], b, dtype=ctx.L.dtype)  # the hint defines the kernel
-        return ProposalBatch(directions, n_drawn=int(rows.shape[0]), zero_hint=hint)
+        pool = torch.where(
+            torch.arange(k).repeat(order.shape[0]) % 2 == 0, tight, negative.repeat_interleave(k)
+        )  # (2S*k,)
+        noise = torch.rand(order.shape[0] * k, m, generator=ctx.generator)
+        noise = torch.where(torch.arange(m)[None, :] < pool[:, None], noise, 2.0)  # only pool slots
+        picks = noise.argsort(dim=1)[:, : b - 1]
+        rows = order.repeat_interleave(k, dim=0).gather(1, picks)
+        subsets = torch.zeros(rows.shape[0], m, dtype=torch.bool)
+        subsets.scatter_(1, rows, True)
+        # plus the whole predicted-inactive set of each guess: when a guess is exact, this set has
+        # a one-dimensional kernel even if nearly all its rows are also zero for a similar sample
+        # (then few (b-1)-subsets of it work)
+        whole = (Z.T <= 0) & ((Z.T <= 0).sum(dim=1, keepdim=True) >= b - 1)
+        hint = torch.cat([subsets, whole[whole.any(dim=1)]])
+        directions = torch.zeros(hint.shape[0], b, dtype=ctx.L.dtype)  # the hint defines the kernel
+        return ProposalBatch(directions, n_drawn=int(hint.shape[0]), zero_hint=hint)

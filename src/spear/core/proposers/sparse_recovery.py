@@ -103,7 +103,8 @@ class SparseRecoveryProposer(DirectionProposer):
         starts_per_call: IRLS starts refined per call.
         iterations: IRLS iterations.
         ica_restarts: FastICA runs (alternating logcosh / exp contrasts) whose components are the
-            first starts; later starts are random, deflated against directions already found.
+            first starts. Later calls alternate FastICA restricted to the whitened complement
+            of the directions already found (deflation) with random starts in that complement.
         pool_fraction: size of the guided-sampling pool, as a fraction of m.
         subsets_per_direction: random (b-1)-subsets of the pool tried per refined direction.
     """
@@ -125,6 +126,7 @@ class SparseRecoveryProposer(DirectionProposer):
         self.subsets_per_direction = subsets_per_direction
         self._key: int | None = None
         self._queue: list[torch.Tensor] = []
+        self._calls = 0
 
     def _prepare(self, ctx: ProposalContext) -> None:
         if self._key == id(ctx.L):
@@ -137,6 +139,15 @@ class SparseRecoveryProposer(DirectionProposer):
             for i in range(self.ica_restarts)
         ]
 
+    def _complement(self, ctx: ProposalContext) -> torch.Tensor | None:
+        """Orthonormal basis (b x (b-k)) of the whitened complement of the found directions."""
+        b, k = ctx.batch_size, ctx.found.shape[0]
+        if k == 0 or k >= b:
+            return None
+        F = ctx.found.to(self.U.dtype) @ self.T.T  # found directions in whitened coordinates
+        _, _, Vh = torch.linalg.svd(F, full_matrices=True)
+        return Vh[k:].T
+
     def _starts(self, ctx: ProposalContext, count: int) -> torch.Tensor:
         b = ctx.batch_size
         parts, have = [], 0
@@ -145,14 +156,22 @@ class SparseRecoveryProposer(DirectionProposer):
             parts.append(comp)
             have += comp.shape[0]
         if have < count:
-            rand = torch.randn(count - have, b, generator=ctx.generator, dtype=self.U.dtype)
-            if ctx.found.shape[0]:
-                # deflate: remove the found directions (in whitened coordinates) from random starts
-                F = ctx.found.to(self.U.dtype) @ self.T.T
-                Qf, _ = torch.linalg.qr(F.T)
-                if Qf.shape[1] < b:
-                    rand = rand - (rand @ Qf) @ Qf.T
-            parts.append(rand)
+            basis = self._complement(ctx)
+            self._calls += 1
+            if basis is not None and basis.shape[1] >= 2 and self._calls % 2 == 0:
+                # deflated ICA: FastICA on the whitened rows projected onto the complement
+                W_c = fast_ica(
+                    self.U @ basis * math.sqrt(self.U.shape[0]),
+                    ctx.generator,
+                    contrast="logcosh" if self._calls % 4 == 0 else "exp",
+                )
+                parts.append(W_c @ basis.T)
+                have += W_c.shape[0]
+            if have < count:
+                rand = torch.randn(count - have, b, generator=ctx.generator, dtype=self.U.dtype)
+                if basis is not None:  # random starts deflated against the found directions
+                    rand = (rand @ basis) @ basis.T
+                parts.append(rand)
         return torch.cat(parts)[: max(count, have)]
 
     def propose(self, ctx: ProposalContext, max_proposals: int) -> ProposalBatch:

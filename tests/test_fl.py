@@ -1,0 +1,70 @@
+"""The client simulation: models, the FedSGD update, pre-training, what the server sees."""
+
+import dataclasses
+
+import pytest
+import torch
+
+from spear.data import load_dataset
+from spear.errors import InputError
+from spear.fl import ClientBatch, ServerView, fedsgd_gradients, fully_connected, pretrain, simulate_fedsgd
+
+
+def test_fully_connected_layout_and_inits():
+    model = fully_connected(64, width=30, depth=4, classes=5, seed=1)
+    linears = [m for m in model if isinstance(m, torch.nn.Linear)]
+    assert [(m.in_features, m.out_features) for m in linears] == [(64, 30), (30, 30), (30, 30), (30, 5)]
+    assert sum(isinstance(m, torch.nn.ReLU) for m in model) == 3
+    assert next(model.parameters()).dtype == torch.float64
+    same = fully_connected(64, width=30, depth=4, classes=5, seed=1)
+    assert torch.equal(model[0].weight, same[0].weight)
+    kaiming = fully_connected(64, width=30, depth=3, init="kaiming", seed=1)
+    assert float(kaiming[0].bias.detach().abs().max()) == 0.0
+    with pytest.raises(InputError, match="unknown init"):
+        fully_connected(64, init="orthogonal")
+    with pytest.raises(InputError, match="depth"):
+        fully_connected(64, depth=1)
+
+
+def test_fedsgd_gradient_is_the_mean_cross_entropy_gradient():
+    model = fully_connected(64, width=20, depth=3, seed=2)
+    x = torch.randn(5, 64, dtype=torch.float64)
+    y = torch.tensor([0, 1, 2, 3, 4])
+    grads = fedsgd_gradients(model, x, y)
+    assert all(p.grad is None for p in model.parameters())  # the model is left untouched
+    manual = torch.zeros_like(model[0].weight)
+    for i in range(5):  # the mean of per-sample gradients
+        g = torch.autograd.grad(
+            torch.nn.functional.cross_entropy(model(x[i : i + 1]), y[i : i + 1]), model[0].weight
+        )
+        manual += g[0] / 5
+    assert torch.allclose(grads["0.weight"], manual, atol=1e-14)
+
+
+def test_server_view_holds_no_private_data():
+    ds = load_dataset("digits")
+    model = fully_connected(ds.features, width=40, depth=3, seed=3)
+    view, secret = simulate_fedsgd(model, ds, 6, seed=3)
+    assert {f.name for f in dataclasses.fields(ServerView)} == {"model", "gradients", "protocol", "metadata"}
+    assert set(view.gradients) == {name for name, _ in model.named_parameters()}
+    assert view.model is not model and torch.equal(view.model[0].weight, model[0].weight)
+    assert isinstance(secret, ClientBatch) and secret.inputs.shape == (6, 64)
+    assert torch.allclose(ds.denormalize(secret.inputs), secret.images)
+    with pytest.raises(InputError, match="takes 784 features"):
+        simulate_fedsgd(fully_connected(784, width=20, depth=2), ds, 4)
+
+
+def test_single_label_client():
+    ds = load_dataset("digits")
+    _, secret = simulate_fedsgd(fully_connected(64, width=30, depth=3), ds, 8, seed=4, single_label=True)
+    assert len(set(secret.labels.tolist())) == 1
+
+
+def test_pretraining_lowers_the_loss():
+    ds = load_dataset("digits")
+    model = fully_connected(64, width=40, depth=3, seed=5)
+    x = ds.normalize(ds.images[:300])
+    before = float(torch.nn.functional.cross_entropy(model(x), ds.labels[:300]))
+    pretrain(model, ds, steps=100, batch_size=32, lr=0.1, seed=5)
+    after = float(torch.nn.functional.cross_entropy(model(x), ds.labels[:300]))
+    assert after < 0.7 * before

@@ -178,3 +178,23 @@ def test_score_handles_singular_sets():
     sigma, valid, _, _ = score(problem, batch, masks)
     assert valid.tolist() == [True, False]
     assert float(sigma[0]) == 1.0 and float(sigma[1]) == -1.0
+
+
+def test_pool_bounds_untrusted_candidates_keeping_the_sparsest():
+    pool = CandidatePool(batch_size=2, rows=6, untrusted_limit=2)
+    from spear.core.filtering import SnapResult
+
+    dirs = torch.stack(
+        [
+            torch.tensor([1.0, 0.0]),
+            torch.tensor([0.6, 0.8]),
+            torch.tensor([0.0, 1.0]),
+            torch.tensor([0.8, 0.6]),
+            torch.tensor([-0.6, 0.8]),
+        ]
+    ).double()
+    counts = torch.tensor([5, 2, 4, 3, 1])
+    robust = torch.tensor([True, False, False, False, False])
+    pool.add(SnapResult(dirs, torch.zeros(5, 6, dtype=torch.bool), counts, robust))
+    assert len(pool) == 3 and pool.trusted.shape[0] == 1
+    assert sorted(pool.zero_counts.tolist()) == [3, 4, 5]  # the two sparsest untrusted survive

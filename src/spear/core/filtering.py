@@ -153,6 +153,7 @@ class CandidatePool:
     rows: int
     dtype: torch.dtype = torch.float64
     device: torch.device | str = "cpu"
+    untrusted_limit: int | None = None  # default 2 * batch_size
     directions: torch.Tensor = field(init=False)
     zero_masks: torch.Tensor = field(init=False)
     zero_counts: torch.Tensor = field(init=False)
@@ -185,4 +186,21 @@ class CandidatePool:
             flag = True if snapped.robust is None else bool(snapped.robust[i])
             self.robust = torch.cat([self.robust, torch.tensor([flag], device=self.robust.device)])
             added += 1
+        self._bound_untrusted()
         return added
+
+    def _bound_untrusted(self) -> None:
+        """Keep at most ``untrusted_limit`` non-robust candidates, the sparsest: on image data
+        thousands of mixtures can pass the filter and would make the greedy swap search
+        (b x candidates score evaluations) the bottleneck; true columns among them are the sparse
+        ones (a mixture's zeros are the intersection of its columns' zeros)."""
+        limit = self.untrusted_limit if self.untrusted_limit is not None else 2 * self.batch_size
+        untrusted = (~self.robust).nonzero()[:, 0]
+        if untrusted.numel() <= limit:
+            return
+        order = torch.argsort(self.zero_counts[untrusted], descending=True, stable=True)
+        drop = untrusted[order[limit:]]
+        keep = torch.ones(len(self), dtype=torch.bool, device=self.robust.device)
+        keep[drop] = False
+        self.directions, self.zero_masks = self.directions[keep], self.zero_masks[keep]
+        self.zero_counts, self.robust = self.zero_counts[keep], self.robust[keep]

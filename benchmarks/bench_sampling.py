@@ -18,7 +18,7 @@ import time
 import torch
 
 import spear
-from common import machine, median, write_json
+from common import exact_match, machine, median, write_json
 from spear.core.lowrank import low_rank_split
 from spear.core.proposers import ProposalContext, RandomSubmatrixSampler
 from spear.data import load_dataset
@@ -76,13 +76,7 @@ def main() -> None:
                     time_budget=args.time_budget,
                     proposer="sampling",
                 )
-                exact = False
-                if rec.inputs is not None:
-                    from scipy.optimize import linear_sum_assignment
-
-                    cost = torch.cdist(rec.inputs, truth.inputs).numpy()
-                    r, c = linear_sum_assignment(cost)
-                    exact = bool((rec.inputs[r] - truth.inputs[c]).abs().max() < 1e-6)
+                exact = exact_match(rec, truth.inputs)
                 runs.append(
                     {
                         "seed": seed,

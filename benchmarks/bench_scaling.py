@@ -18,20 +18,10 @@ from __future__ import annotations
 
 import argparse
 
-import torch
-from scipy.optimize import linear_sum_assignment
-
 import spear
-from common import machine, median, write_json
+from common import exact_match, machine, median, write_json
 from spear.data import load_dataset
 from spear.fl import fully_connected, simulate_fedsgd
-
-
-def exact_match(rec, truth: torch.Tensor) -> bool:
-    if rec.inputs is None or not rec.verified:
-        return False
-    r, c = linear_sum_assignment(torch.cdist(rec.inputs, truth).numpy())
-    return bool((rec.inputs[r] - truth[c]).abs().max() < 1e-6)
 
 
 def plot(rows: list[dict], path: str) -> None:

@@ -10,6 +10,8 @@ from pathlib import Path
 
 import torch
 
+from spear.metrics import match_samples
+
 
 def machine() -> dict:
     cpu = platform.processor() or "unknown"
@@ -40,3 +42,11 @@ def write_json(path: str | Path, payload: dict) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(payload, indent=2, default=str))
     return path
+
+
+def exact_match(rec, truth: torch.Tensor, atol: float = 1e-6) -> bool:
+    """Verified, and every sample within ``atol`` of the truth after Hungarian matching."""
+    if rec.inputs is None or not rec.verified:
+        return False
+    est, ref = match_samples(rec.inputs, truth)
+    return bool((rec.inputs[est] - truth[ref]).abs().max() < atol)

@@ -60,6 +60,16 @@ class ProposalBatch:
     exhausted: bool = False
 
 
+def orthogonal_complement(vectors: torch.Tensor, dim: int) -> torch.Tensor:
+    """Orthonormal basis (dim x (dim - k)) of the complement of the span of k rows of
+    ``vectors``; the identity when there are none."""
+    k = vectors.shape[0]
+    if k == 0:
+        return torch.eye(dim, dtype=vectors.dtype, device=vectors.device)
+    _, _, Vh = torch.linalg.svd(vectors, full_matrices=True)
+    return Vh[k:].T
+
+
 class DirectionProposer(ABC):
     """Proposes candidate directions ``q`` with sparse ``L q``."""
 

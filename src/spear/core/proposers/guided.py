@@ -22,7 +22,12 @@ import math
 
 import torch
 
-from spear.core.proposers.base import DirectionProposer, ProposalBatch, ProposalContext
+from spear.core.proposers.base import (
+    DirectionProposer,
+    ProposalBatch,
+    ProposalContext,
+    orthogonal_complement,
+)
 from spear.errors import InputError
 
 
@@ -72,12 +77,7 @@ class GuidedSampler(DirectionProposer):
             noise = torch.randn(base.shape, generator=g, dtype=dtype) * base.norm(dim=1, keepdim=True)
             X = (base + self.jitter * noise / math.sqrt(n)).T
             return W @ X + bias[:, None]
-        found = ctx.found.to(dtype)
-        if found.shape[0]:
-            _, _, Vh = torch.linalg.svd(found, full_matrices=True)
-            complement = Vh[found.shape[0] :].T  # b x (b-k), orthonormal
-        else:
-            complement = torch.eye(b, dtype=dtype)
+        complement = orthogonal_complement(ctx.found.to(dtype), b)  # b x (b-k)
         # lines t * u through the complement; the predicted inactive set {t a_r + bias_r <= 0}
         # (a = W R^T u) changes only at the breakpoints t_r = -bias_r / a_r, so scanning the
         # midpoints between breakpoints covers every scale of the unknown input. With one

@@ -17,7 +17,12 @@ import math
 
 import torch
 
-from spear.core.proposers.base import DirectionProposer, ProposalBatch, ProposalContext
+from spear.core.proposers.base import (
+    DirectionProposer,
+    ProposalBatch,
+    ProposalContext,
+    orthogonal_complement,
+)
 
 
 def whiten(L: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -144,9 +149,8 @@ class SparseRecoveryProposer(DirectionProposer):
         b, k = ctx.batch_size, ctx.found.shape[0]
         if k == 0 or k >= b:
             return None
-        F = ctx.found.to(self.U.dtype) @ self.T.T  # found directions in whitened coordinates
-        _, _, Vh = torch.linalg.svd(F, full_matrices=True)
-        return Vh[k:].T
+        # the found directions in whitened coordinates
+        return orthogonal_complement(ctx.found.to(self.U.dtype) @ self.T.T, b)
 
     def _starts(self, ctx: ProposalContext, count: int) -> torch.Tensor:
         b = ctx.batch_size

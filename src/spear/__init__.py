@@ -8,6 +8,7 @@ Public API::
     rec.inputs, rec.verified, rec.sigma, rec.stats
 """
 
+from spear import fl, theory
 from spear.api import attack_layer, build_options, reconstruct
 from spear.core.reconstruct import AttackOptions, AttackStats, ProgressEvent, Reconstruction
 from spear.errors import InputError, NoSparsityError, RankError, SpearError, TheoryError
@@ -27,5 +28,7 @@ __all__ = [
     "__version__",
     "attack_layer",
     "build_options",
+    "fl",
     "reconstruct",
+    "theory",
 ]

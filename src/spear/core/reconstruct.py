@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 import torch
 
 from spear import theory
-from spear.core.filtering import DEFAULT_ZERO_RTOL, CandidatePool, snap_and_filter
-from spear.core.greedy import Selection, greedy_filter
+from spear.core.filtering import DEFAULT_ZERO_RTOL, CandidatePool, snap_and_filter, zero_mask
+from spear.core.greedy import Selection, greedy_filter, score
 from spear.core.lowrank import low_rank_split
 from spear.core.proposers import (
     PROPOSERS,
@@ -262,11 +262,8 @@ def run_attack(
 
     if b == 1:  # one sample: Q is 1 x 1, Theorem 3.6 alone gives the scale
         Qbar = torch.ones(1, 1, dtype=factor.dtype, device=factor.device)
-        c, valid = problem.scales(Qbar[None])
-        mask = (factor @ Qbar).T.abs() <= zero_rtol * factor.abs().max()
-        from spear.core.greedy import score  # local: only the trivial case needs the raw score
-
-        sigma, _, _, consistent = score(problem, Qbar[None], mask[None])
+        mask = zero_mask((factor @ Qbar).T, zero_rtol)
+        sigma, valid, c, consistent = score(problem, Qbar[None], mask[None])
         selection = (
             Selection((0,), Qbar, c[0], float(sigma[0]), int(consistent[0])) if bool(valid[0]) else None
         )

@@ -73,8 +73,10 @@ class GuidedSampler(DirectionProposer):
             approx = self.approximate_inputs.to(dtype)
             if approx.ndim != 2 or approx.shape[1] != n:
                 raise InputError(f"approximate_inputs must be (k, {n}), got {tuple(approx.shape)}")
-            base = approx[torch.randint(0, approx.shape[0], (S,), generator=g)]
-            noise = torch.randn(base.shape, generator=g, dtype=dtype) * base.norm(dim=1, keepdim=True)
+            base = approx[torch.randint(0, approx.shape[0], (S,), generator=g).to(approx.device)]
+            noise = torch.randn(base.shape, generator=g, dtype=dtype).to(base.device) * base.norm(
+                dim=1, keepdim=True
+            )
             X = (base + self.jitter * noise / math.sqrt(n)).T
             return W @ X + bias[:, None]
         complement = orthogonal_complement(ctx.found.to(dtype), b)  # b x (b-k)
@@ -84,7 +86,7 @@ class GuidedSampler(DirectionProposer):
         # direction missing the line is exact and the scan contains its true zero set.
         per_line = self.points_per_line if complement.shape[1] > 1 else problem.weight.shape[0] + 1
         lines = max(1, S // per_line) if complement.shape[1] > 1 else 1
-        u = complement @ torch.randn(complement.shape[1], lines, generator=g, dtype=dtype)
+        u = complement @ torch.randn(complement.shape[1], lines, generator=g, dtype=dtype).to(R.device)
         a = W @ (R.T @ u)  # m x lines
         columns = []
         for j in range(lines):
@@ -97,12 +99,12 @@ class GuidedSampler(DirectionProposer):
         """``count`` scales, one inside each of ``count`` (evenly spread) cells of the breakpoints."""
         brk = (-bias / a)[a.abs() > 0].sort().values
         if brk.numel() == 0:
-            return torch.tensor([-1.0, 1.0], dtype=a.dtype)
+            return torch.tensor([-1.0, 1.0], dtype=a.dtype, device=a.device)
         gaps = brk[1:] - brk[:-1]
         span = float(brk[-1] - brk[0]) or 1.0
         mids = torch.cat([brk[:1] - span, brk[:-1] + gaps / 2, brk[-1:] + span])
         if mids.numel() > count:
-            idx = torch.linspace(0, mids.numel() - 1, count).round().long()
+            idx = torch.linspace(0, mids.numel() - 1, count, device=a.device).round().long()
             mids = mids[idx]
         return mids
 
@@ -120,18 +122,22 @@ class GuidedSampler(DirectionProposer):
         negative = (Z.T < 0).sum(dim=1).clamp(min=tight, max=m)  # (2S,)
         k = self.subsets_per_guess
         pool = torch.where(
-            torch.arange(k).repeat(order.shape[0]) % 2 == 0, tight, negative.repeat_interleave(k)
+            torch.arange(k, device=Z.device).repeat(order.shape[0]) % 2 == 0,
+            tight,
+            negative.repeat_interleave(k),
         )  # (2S*k,)
-        noise = torch.rand(order.shape[0] * k, m, generator=ctx.generator)
-        noise = torch.where(torch.arange(m)[None, :] < pool[:, None], noise, 2.0)  # only pool slots
+        noise = torch.rand(order.shape[0] * k, m, generator=ctx.generator).to(Z.device)
+        noise = torch.where(
+            torch.arange(m, device=Z.device)[None, :] < pool[:, None], noise, 2.0
+        )  # only pool slots
         picks = noise.argsort(dim=1)[:, : b - 1]
         rows = order.repeat_interleave(k, dim=0).gather(1, picks)
-        subsets = torch.zeros(rows.shape[0], m, dtype=torch.bool)
+        subsets = torch.zeros(rows.shape[0], m, dtype=torch.bool, device=Z.device)
         subsets.scatter_(1, rows, True)
         # plus the whole predicted-inactive set of each guess: when a guess is exact, this set has
         # a one-dimensional kernel even if nearly all its rows are also zero for a similar sample
         # (then few (b-1)-subsets of it work)
         whole = (Z.T <= 0) & ((Z.T <= 0).sum(dim=1, keepdim=True) >= b - 1)
         hint = torch.cat([subsets, whole[whole.any(dim=1)]])
-        directions = torch.zeros(hint.shape[0], b, dtype=ctx.L.dtype)  # the hint defines the kernel
+        directions = torch.zeros(hint.shape[0], b, dtype=ctx.L.dtype, device=ctx.L.device)  # hint = kernel
         return ProposalBatch(directions, n_drawn=int(hint.shape[0]), zero_hint=hint)

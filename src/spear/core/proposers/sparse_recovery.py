@@ -63,7 +63,7 @@ def irls_sphere(
             _, vecs = torch.linalg.eigh(gram)
             cand = vecs[:, :, :2]
             overlap = (cand * p.unsqueeze(-1)).sum(dim=1).abs()
-            new = cand[torch.arange(p.shape[0]), :, overlap.argmax(dim=1)]
+            new = cand[torch.arange(p.shape[0], device=p.device), :, overlap.argmax(dim=1)]
         else:  # min sum w (U p)^2 s.t. p_t^T p = 1: p ~ G^-1 p_t (one Cholesky solve)
             chol, info = torch.linalg.cholesky_ex(gram)
             new = torch.cholesky_solve(p.unsqueeze(-1), chol).squeeze(-1)
@@ -83,7 +83,7 @@ def fast_ica(
 ) -> torch.Tensor:
     """Symmetric FastICA on white data X (samples x b); returns the unmixing rows (b x b)."""
     b = X.shape[1]
-    W = torch.linalg.qr(torch.randn(b, b, generator=generator, dtype=X.dtype))[0]
+    W = torch.linalg.qr(torch.randn(b, b, generator=generator, dtype=X.dtype).to(X.device))[0]
     for _ in range(iterations):
         Y = X @ W.T
         if contrast == "logcosh":
@@ -172,7 +172,9 @@ class SparseRecoveryProposer(DirectionProposer):
                 parts.append(W_c @ basis.T)
                 have += W_c.shape[0]
             if have < count:
-                rand = torch.randn(count - have, b, generator=ctx.generator, dtype=self.U.dtype)
+                rand = torch.randn(count - have, b, generator=ctx.generator, dtype=self.U.dtype).to(
+                    self.U.device
+                )
                 if basis is not None:  # random starts deflated against the found directions
                     rand = (rand @ basis) @ basis.T
                 parts.append(rand)
@@ -190,7 +192,7 @@ class SparseRecoveryProposer(DirectionProposer):
             known = (q @ ctx.found.T.to(q.dtype)).abs().amax(dim=1) > 0.999
             q, p = q[~known], p[~known]
         if q.shape[0] == 0:
-            return ProposalBatch(torch.empty(0, b, dtype=U.dtype), n_drawn=starts.shape[0])
+            return ProposalBatch(torch.empty(0, b, dtype=U.dtype, device=U.device), n_drawn=starts.shape[0])
         r = (p @ U.T).abs()
         order = r.argsort(dim=1)
         hints, dirs = [], []
@@ -204,9 +206,9 @@ class SparseRecoveryProposer(DirectionProposer):
         pool = max(b + 1, int(self.pool_fraction * m))
         if pool > b - 1 and self.subsets_per_direction > 0:
             k = q.shape[0] * self.subsets_per_direction
-            picks = torch.rand(k, pool, generator=ctx.generator).argsort(dim=1)[:, : b - 1]
+            picks = torch.rand(k, pool, generator=ctx.generator).to(U.device).argsort(dim=1)[:, : b - 1]
             rows = order.repeat_interleave(self.subsets_per_direction, dim=0).gather(1, picks)
-            sub = torch.zeros(k, m, dtype=torch.bool)
+            sub = torch.zeros(k, m, dtype=torch.bool, device=U.device)
             sub.scatter_(1, rows, True)
             hints.append(sub)
             dirs.append(q.repeat_interleave(self.subsets_per_direction, dim=0))

@@ -18,7 +18,7 @@ import time
 import torch
 
 import spear
-from common import exact_match, machine, median, write_json
+from common import attack_batch, machine, median, write_json
 from spear.core.lowrank import low_rank_split
 from spear.core.proposers import ProposalContext, RandomSubmatrixSampler
 from spear.data import load_dataset
@@ -66,17 +66,9 @@ def main() -> None:
             rate64 = throughput(L, torch.float64, args.throughput_seconds, 4096)
             runs = []
             for seed in range(args.seeds):
-                model = fully_connected(784, m, args.depth, seed=seed)
-                view, truth = simulate_fedsgd(model, dataset, b, seed=seed)
-                rec = spear.attack_layer(
-                    view.model,
-                    "0",
-                    view.gradients,
-                    seed=seed,
-                    time_budget=args.time_budget,
-                    proposer="sampling",
+                rec, exact = attack_batch(
+                    dataset, m, b, args.depth, seed, time_budget=args.time_budget, proposer="sampling"
                 )
-                exact = exact_match(rec, truth.inputs)
                 runs.append(
                     {
                         "seed": seed,

@@ -19,9 +19,8 @@ from __future__ import annotations
 import argparse
 
 import spear
-from common import exact_match, machine, median, write_json
+from common import attack_batch, machine, median, write_json
 from spear.data import load_dataset
-from spear.fl import fully_connected, simulate_fedsgd
 
 
 def plot(rows: list[dict], path: str) -> None:
@@ -78,17 +77,9 @@ def main() -> None:
                     continue
                 runs = []
                 for seed in range(args.seeds):
-                    model = fully_connected(784, m, args.depth, seed=seed)
-                    view, truth = simulate_fedsgd(model, dataset, b, seed=seed)
-                    rec = spear.attack_layer(
-                        view.model,
-                        "0",
-                        view.gradients,
-                        seed=seed,
-                        proposer=proposer,
-                        time_budget=args.time_budget,
+                    rec, ok = attack_batch(
+                        dataset, m, b, args.depth, seed, proposer=proposer, time_budget=args.time_budget
                     )
-                    ok = exact_match(rec, truth.inputs)
                     runs.append(
                         {
                             "seed": seed,

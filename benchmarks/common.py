@@ -50,3 +50,14 @@ def exact_match(rec, truth: torch.Tensor, atol: float = 1e-6) -> bool:
         return False
     est, ref = match_samples(rec.inputs, truth)
     return bool((rec.inputs[est] - truth[ref]).abs().max() < atol)
+
+
+def attack_batch(dataset, width: int, batch_size: int, depth: int, seed: int, **options):
+    """One FedSGD client (fully connected ReLU net, first layer attacked): (reconstruction, exact)."""
+    import spear
+    from spear.fl import fully_connected, simulate_fedsgd
+
+    model = fully_connected(dataset.features, width, depth, dataset.classes, seed=seed)
+    view, truth = simulate_fedsgd(model, dataset, batch_size, seed=seed)
+    rec = spear.attack_layer(view.model, "0", view.gradients, seed=seed, **options)
+    return rec, exact_match(rec, truth.inputs)

@@ -42,6 +42,7 @@ def test_attack_table_output():
         (["attack", "--depth", "1"], "--depth must be >= 2"),
         (["theory", "--batch-size", "30", "--width", "20"], "below the layer width"),
         (["evaluate", "--batches", "0"], "--batches must be >= 1"),
+        (["attack", "--proposer", "magic"], "unknown proposer"),
     ],
 )
 def test_bad_arguments_exit_with_one_line(args, message):
@@ -90,3 +91,12 @@ def test_evaluate_resumes(tmp_path, monkeypatch):
 def test_datasets_command():
     result = runner.invoke(app, ["datasets"])
     assert result.exit_code == 0 and "mnist" in result.output
+
+
+def test_attack_with_each_proposer():
+    for proposer in ("sampling", "irls", "auto"):
+        result = runner.invoke(app, ["attack", *TINY, "--proposer", proposer, "--json"])
+        assert result.exit_code == 0, result.output
+        payload = json.loads(result.stdout[result.stdout.index("{") :])
+        assert payload["verified"] is True and payload["stats"]["proposer"] == proposer
+        assert payload["settings"]["proposer"] == proposer

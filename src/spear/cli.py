@@ -79,7 +79,9 @@ def _settings(
     pretrain_steps,
     single_label,
     p_fr,
+    proposer,
 ):
+    from spear.core.proposers import PROPOSERS
     from spear.data import DATASETS
     from spear.experiments import ExperimentSettings
 
@@ -91,6 +93,8 @@ def _settings(
         _fail(f"--batch-size {batch_size} must be smaller than --width {width}: SPEAR needs b < m")
     if depth < 2:
         _fail("--depth must be >= 2")
+    if proposer not in PROPOSERS:
+        _fail(f"unknown proposer {proposer!r}; choose one of {', '.join(sorted(PROPOSERS))}")
     return ExperimentSettings(
         dataset=dataset.lower(),
         batch_size=batch_size,
@@ -104,6 +108,7 @@ def _settings(
         time_budget=time_budget,
         p_fr=p_fr,
         device=device,
+        proposer=proposer,
     )
 
 
@@ -129,6 +134,7 @@ InitOpt = Annotated[str, typer.Option(help="weight init: default, kaiming, xavie
 PretrainOpt = Annotated[int, typer.Option(help="train the network this many SGD steps first (Fig. 7)")]
 SingleOpt = Annotated[bool, typer.Option(help="all samples of one label (heterogeneous client)")]
 PfrOpt = Annotated[float, typer.Option(help="false-rejection rate p_fr (sets tau)")]
+ProposerOpt = Annotated[str, typer.Option(help="direction proposer: auto, sampling, irls, guided")]
 
 
 @app.command()
@@ -145,6 +151,7 @@ def attack(
     pretrain_steps: PretrainOpt = 0,
     single_label: SingleOpt = False,
     p_fr: PfrOpt = 1e-5,
+    proposer: ProposerOpt = "auto",
     out: Annotated[Path | None, typer.Option(help="write result.json, grid.png, per_sample.csv here")] = None,
     json_output: Annotated[bool, typer.Option("--json", help="print the result as JSON on stdout")] = False,
 ) -> None:
@@ -166,6 +173,7 @@ def attack(
         pretrain_steps,
         single_label,
         p_fr,
+        proposer,
     )
     console = Console(stderr=json_output)
     try:
@@ -218,6 +226,7 @@ def evaluate(
     pretrain_steps: PretrainOpt = 0,
     single_label: SingleOpt = False,
     p_fr: PfrOpt = 1e-5,
+    proposer: ProposerOpt = "auto",
     json_output: Annotated[bool, typer.Option("--json", help="print the summary as JSON")] = False,
 ) -> None:
     """Attack K batches (seeds seed..seed+K-1) and report paper Table 1: mean and 95% CI of each
@@ -241,6 +250,7 @@ def evaluate(
         pretrain_steps,
         single_label,
         p_fr,
+        proposer,
     )
     console = Console(stderr=json_output)
 

@@ -37,6 +37,7 @@ class ExperimentSettings:
     time_budget: float | None = None
     p_fr: float = 1e-5
     device: str = "cpu"
+    proposer: str = "auto"
 
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -87,6 +88,7 @@ def run_experiment(settings: ExperimentSettings, progress=None) -> ExperimentRes
         p_fr=settings.p_fr,
         device=settings.device,
         progress=progress,
+        proposer=settings.proposer,
     )
     # --- evaluation: ground truth meets the result ---
     truth = secret.images

@@ -185,7 +185,9 @@ class SparseRecoveryProposer(DirectionProposer):
         U, T = self.U, self.T
         m, b = U.shape
         starts = self._starts(ctx, self.starts_per_call)
-        p = irls_sphere(U, starts, self.iterations)
+        # IRLS only has to land near a direction (snapping is exact, in float64): draft it in the
+        # proposal dtype, 2-3x faster in float32
+        p = irls_sphere(U.to(ctx.proposal_dtype), starts.to(ctx.proposal_dtype), self.iterations).to(U.dtype)
         q = torch.linalg.solve_triangular(T, p.T, upper=True).T  # back to L coordinates
         q = q / q.norm(dim=1, keepdim=True)
         if ctx.found.shape[0]:  # skip directions already in the pool

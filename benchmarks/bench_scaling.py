@@ -5,7 +5,7 @@ Networks: fully connected ReLU, depth 6, width m, PyTorch default init, FedSGD o
 verified and every sample matches the truth to 1e-6 after Hungarian matching. Each attack has a
 time budget; a batch not finished within it counts as a failure.
 
-Default (about 10 minutes on 2 cores):
+Default (about 15 minutes on 2 cores):
     python benchmarks/bench_scaling.py
 Full setting of the issue (hours):
     python benchmarks/bench_scaling.py --batch-sizes 20 32 50 64 100 128 200 256 \
@@ -61,7 +61,7 @@ def main() -> None:
     ap.add_argument("--proposers", nargs="+", default=["auto", "sampling"])
     ap.add_argument("--seeds", type=int, default=2)
     ap.add_argument("--depth", type=int, default=6)
-    ap.add_argument("--time-budget", type=float, default=45.0)
+    ap.add_argument("--time-budget", type=float, default=150.0)
     ap.add_argument("--out", default="benchmarks/results/scaling.json")
     ap.add_argument("--plot", default="benchmarks/results/scaling.png")
     args = ap.parse_args()

@@ -119,9 +119,8 @@ def snap_and_filter(
     )
     if directions.shape[0] == 0:
         return empty
-    q_rough = directions.to(L.dtype)
-    del directions  # the hinted rows define the kernel; the rough direction only chose them
-    rows = zero_hint if zero_hint is not None else zero_mask(q_rough @ L.T, hint_rtol)
+    # the hinted rows define the kernel; the rough direction only matters when there is no hint
+    rows = zero_hint if zero_hint is not None else zero_mask(directions.to(L.dtype) @ L.T, hint_rtol)
     rows = rows[rows.sum(dim=1) >= b - 1]
     if rows.shape[0] == 0:
         return empty

@@ -295,7 +295,8 @@ def run_attack(
             drawn += batch.n_drawn
             snapped = snap_and_filter(factor, batch.directions, batch.zero_hint, threshold, zero_rtol)
             added = pool.add(snapped)
-            ctx.found = pool.trusted  # proposers deflate against / guide from robust candidates
+            if added:
+                ctx.found = pool.trusted  # proposers deflate against / guide from robust candidates
             if added and len(pool) >= b:
                 selection = greedy_filter(problem, pool.directions, pool.zero_masks, pool.zero_counts)
                 if selection is not None and (best is None or selection.sigma >= best.sigma):

@@ -11,7 +11,7 @@ of the factors swap: sparse directions live in ``R^T``, ``X = R^T Qbar diag(c)``
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 import torch
@@ -38,15 +38,14 @@ class LayerProblem:
     L: torch.Tensor
     R: torch.Tensor
     mode: SparsityMode = "output"
+    #: derived: L^+ dL/db (any left inverse works, Theorem 3.6) and R W^T, reused by every score
+    pinv_grad_bias: torch.Tensor = field(init=False, repr=False)
+    R_Wt: torch.Tensor = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
-        # L^+ dL/db (any left inverse works, Theorem 3.6) and R W^T, reused by every score.
         pinv_db = torch.linalg.lstsq(self.L, self.grad_bias[:, None]).solution[:, 0]
         object.__setattr__(self, "pinv_grad_bias", pinv_db)
         object.__setattr__(self, "R_Wt", self.R @ self.weight.T)
-
-    pinv_grad_bias: torch.Tensor = None  # type: ignore[assignment]
-    R_Wt: torch.Tensor = None  # type: ignore[assignment]
 
     @property
     def batch_size(self) -> int:

@@ -32,28 +32,23 @@ class AutoProposer(DirectionProposer):
         self.sampling_only_below = sampling_only_below
         self.sampling_every = sampling_every
         self._last_found = 0
-        self._stalled = False
         self._turn = 0
 
     def propose(self, ctx: ProposalContext, max_proposals: int) -> ProposalBatch:
+        self._turn += 1
         found = ctx.found.shape[0]
         guided_ok = ctx.problem is not None and ctx.problem.mode == "output" and found > 0
         if ctx.batch_size <= self.sampling_only_below:
             # sampling finds most columns in milliseconds; guided sampling takes the least sparse
-            self._turn += 1
             if guided_ok and self._turn % 4 == 0:
                 return self.guided.propose(ctx, max_proposals)
             return self.sampler.propose(ctx, max_proposals)
         progressed = found > self._last_found
         self._last_found = found
-        self._turn += 1
         if self._turn % self.sampling_every == 0:
             return self.sampler.propose(ctx, max_proposals)
-        if progressed or not self._stalled:
-            # IRLS keeps the turn while it finds new directions
-            self._stalled = not progressed and self._turn > 1
-            if not self._stalled:
-                return self.recovery.propose(ctx, max_proposals)
+        if progressed or self._turn == 1:  # IRLS keeps the turn while it finds new directions
+            return self.recovery.propose(ctx, max_proposals)
         if guided_ok and self._turn % 2 == 0:
             return self.guided.propose(ctx, max_proposals)
         return self.recovery.propose(ctx, max_proposals)

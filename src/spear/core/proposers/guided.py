@@ -115,17 +115,19 @@ class GuidedSampler(DirectionProposer):
             raise InputError("guided sampling needs the output-sparsity layer problem (W, b)")
         Z = self._guessed_preactivations(ctx)  # m x G
         order = Z.T.argsort(dim=1)  # most negative rows first
+        inactive = Z.T <= 0  # the rows each guess predicts to be zero (ReLU: Z <= 0)
+        inactive_count = inactive.sum(dim=1)
         # two pools per guess: the most negative rows (reliable when the guess is rough), and all
         # rows predicted inactive (generic rows: the most negative ones of one sample are often
         # inactive for similar samples too, and a subset zero in two columns has a 2-D kernel)
         tight = min(m, max(b + 1, int(self.pool_fraction * m)))
-        negative = (Z.T < 0).sum(dim=1).clamp(min=tight, max=m)  # (2S,)
+        negative = inactive_count.clamp(min=tight, max=m)  # (G,)
         k = self.subsets_per_guess
         pool = torch.where(
             torch.arange(k, device=Z.device).repeat(order.shape[0]) % 2 == 0,
             tight,
             negative.repeat_interleave(k),
-        )  # (2S*k,)
+        )  # (G*k,)
         noise = torch.rand(order.shape[0] * k, m, generator=ctx.generator).to(Z.device)
         noise = torch.where(
             torch.arange(m, device=Z.device)[None, :] < pool[:, None], noise, 2.0
@@ -137,7 +139,6 @@ class GuidedSampler(DirectionProposer):
         # plus the whole predicted-inactive set of each guess: when a guess is exact, this set has
         # a one-dimensional kernel even if nearly all its rows are also zero for a similar sample
         # (then few (b-1)-subsets of it work)
-        whole = (Z.T <= 0) & ((Z.T <= 0).sum(dim=1, keepdim=True) >= b - 1)
-        hint = torch.cat([subsets, whole[whole.any(dim=1)]])
+        hint = torch.cat([subsets, inactive[inactive_count >= b - 1]])
         directions = torch.zeros(hint.shape[0], b, dtype=ctx.L.dtype, device=ctx.L.device)  # hint = kernel
         return ProposalBatch(directions, n_drawn=int(hint.shape[0]), zero_hint=hint)

@@ -8,6 +8,7 @@ be right, only often right. A new strategy is one new file with one :class:`Dire
 from spear.core.proposers.auto import AutoProposer
 from spear.core.proposers.base import DirectionProposer, ProposalBatch, ProposalContext
 from spear.core.proposers.guided import GuidedSampler
+from spear.core.proposers.neurons import NeuronGuidedSampler
 from spear.core.proposers.sampling import RandomSubmatrixSampler
 from spear.core.proposers.sparse_recovery import SparseRecoveryProposer
 
@@ -16,6 +17,7 @@ PROPOSERS = {
     "sampling": RandomSubmatrixSampler,
     "irls": SparseRecoveryProposer,
     "guided": GuidedSampler,
+    "neurons": NeuronGuidedSampler,
     "auto": AutoProposer,
 }
 
@@ -24,6 +26,7 @@ __all__ = [
     "AutoProposer",
     "DirectionProposer",
     "GuidedSampler",
+    "NeuronGuidedSampler",
     "ProposalBatch",
     "ProposalContext",
     "RandomSubmatrixSampler",

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from spear.core.proposers.base import DirectionProposer, ProposalBatch, ProposalContext
 from spear.core.proposers.guided import GuidedSampler
+from spear.core.proposers.neurons import NeuronGuidedSampler
 from spear.core.proposers.sampling import RandomSubmatrixSampler
 from spear.core.proposers.sparse_recovery import SparseRecoveryProposer
 
@@ -14,11 +15,16 @@ class AutoProposer(DirectionProposer):
     * ``b <= sampling_only_below``: the paper's random sampler (milliseconds at this size), with
       every 4th call complement-guided sampling once a direction is known: it finds the least
       sparse columns that uniform sampling reaches only after millions of proposals.
-    * Otherwise ICA + IRLS (:class:`SparseRecoveryProposer`) while it finds new directions; when
-      it stalls, complement-guided sampling (:class:`GuidedSampler`) for the remaining columns,
-      alternating with IRLS, and every ``sampling_every``-th call the random sampler as a safety
-      net whose cost does not depend on IRLS's basins. In input-sparsity mode guided sampling is
-      unavailable and IRLS alternates with random sampling.
+    * Otherwise a rotation, cheapest first, that stays with a proposer until it stalls (a whole
+      pass over the neurons, or one call of the others, without a new direction): neuron-guided sampling
+      (:class:`NeuronGuidedSampler`, approximate inputs from the gradient itself),
+      complement-guided sampling (:class:`GuidedSampler`, once directions are known), then ICA +
+      IRLS (:class:`SparseRecoveryProposer`). Every ``sampling_every``-th call is the random
+      sampler, a safety net whose success does not depend on the other proposers' guesses.
+      In input-sparsity mode only IRLS and the sampler apply (the guided proposers need W, b on
+      the output side).
+
+    The schedule depends only on what was found, never on timing, so runs are reproducible.
     """
 
     name = "auto"
@@ -27,12 +33,25 @@ class AutoProposer(DirectionProposer):
         self, chunk_size: int = 4096, sampling_only_below: int = 14, sampling_every: int = 6
     ) -> None:
         self.sampler = RandomSubmatrixSampler(chunk_size)
-        self.recovery = SparseRecoveryProposer()
+        self.neurons = NeuronGuidedSampler()
         self.guided = GuidedSampler()
+        self.recovery = SparseRecoveryProposer()
         self.sampling_only_below = sampling_only_below
         self.sampling_every = sampling_every
         self._last_found = 0
         self._turn = 0
+        self._current = 0  # index into the rotation
+        self._stalls = 0  # consecutive calls of the current proposer that found nothing
+        self._rotation_called = False  # whether the previous call was the rotation's
+
+    def _rotation(self, ctx: ProposalContext) -> list[tuple[DirectionProposer, int]]:
+        """The proposers in order of cost, each with its patience (stalled calls before moving on)."""
+        if ctx.problem is None or ctx.problem.mode != "output":
+            return [(self.recovery, 1)]
+        neurons = (self.neurons, self.neurons.calls_per_pass(ctx))  # a whole pass over the neurons
+        if ctx.found.shape[0] == 0:
+            return [neurons, (self.recovery, 1)]
+        return [neurons, (self.guided, 1), (self.recovery, 1)]
 
     def propose(self, ctx: ProposalContext, max_proposals: int) -> ProposalBatch:
         self._turn += 1
@@ -46,9 +65,13 @@ class AutoProposer(DirectionProposer):
         progressed = found > self._last_found
         self._last_found = found
         if self._turn % self.sampling_every == 0:
+            self._rotation_called = False
             return self.sampler.propose(ctx, max_proposals)
-        if progressed or self._turn == 1:  # IRLS keeps the turn while it finds new directions
-            return self.recovery.propose(ctx, max_proposals)
-        if guided_ok and self._turn % 2 == 0:
-            return self.guided.propose(ctx, max_proposals)
-        return self.recovery.propose(ctx, max_proposals)
+        rotation = self._rotation(ctx)
+        if self._rotation_called:  # judge the rotation's last call, not the sampler's
+            self._stalls = 0 if progressed else self._stalls + 1
+        if self._stalls >= rotation[self._current % len(rotation)][1]:
+            self._current += 1  # the current proposer stalled: the next one's turn
+            self._stalls = 0
+        self._rotation_called = True
+        return rotation[self._current % len(rotation)][0].propose(ctx, max_proposals)

@@ -105,7 +105,9 @@ class SparseRecoveryProposer(DirectionProposer):
     """ICA + IRLS + guided snapping hints (polynomial time per call).
 
     Args:
-        starts_per_call: IRLS starts refined per call.
+        starts_per_call: IRLS starts refined per call, at most.
+        work_per_call: fewer starts on large layers, so that starts x m x b^2 (the cost of one
+            IRLS iteration) stays below this; at least 8 starts.
         iterations: IRLS iterations.
         ica_restarts: FastICA runs (alternating logcosh / exp contrasts) whose components are the
             first starts. Later calls alternate FastICA restricted to the whitened complement
@@ -119,12 +121,14 @@ class SparseRecoveryProposer(DirectionProposer):
     def __init__(
         self,
         starts_per_call: int = 64,
+        work_per_call: float = 6.4e8,
         iterations: int = 80,
         ica_restarts: int = 4,
         pool_fraction: float = 0.3,
         subsets_per_direction: int = 4,
     ) -> None:
         self.starts_per_call = starts_per_call
+        self.work_per_call = work_per_call
         self.iterations = iterations
         self.ica_restarts = ica_restarts
         self.pool_fraction = pool_fraction
@@ -132,6 +136,10 @@ class SparseRecoveryProposer(DirectionProposer):
         self._key: int | None = None
         self._queue: list[torch.Tensor] = []
         self._calls = 0
+
+    def starts_for(self, m: int, b: int) -> int:
+        """Starts per call on an m x b factor (see ``work_per_call``)."""
+        return int(min(self.starts_per_call, max(8, self.work_per_call // (m * b * b))))
 
     def _prepare(self, ctx: ProposalContext) -> None:
         if self._key == id(ctx.L):
@@ -178,13 +186,16 @@ class SparseRecoveryProposer(DirectionProposer):
                 if basis is not None:  # random starts deflated against the found directions
                     rand = (rand @ basis) @ basis.T
                 parts.append(rand)
-        return torch.cat(parts)[: max(count, have)]
+        starts = torch.cat(parts)
+        if starts.shape[0] > count:  # the rest of an ICA run waits for the next call
+            self._queue.insert(0, starts[count:])
+        return starts[:count]
 
     def propose(self, ctx: ProposalContext, max_proposals: int) -> ProposalBatch:
         self._prepare(ctx)
         U, T = self.U, self.T
         m, b = U.shape
-        starts = self._starts(ctx, self.starts_per_call)
+        starts = self._starts(ctx, self.starts_for(m, b))
         # IRLS only has to land near a direction (snapping is exact, in float64): draft it in the
         # proposal dtype, 2-3x faster in float32
         p = irls_sphere(U.to(ctx.proposal_dtype), starts.to(ctx.proposal_dtype), self.iterations).to(U.dtype)

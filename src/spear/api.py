@@ -64,13 +64,24 @@ def build_options(options: Mapping[str, Any]) -> AttackOptions:
     return opts
 
 
-def reconstruct(weight: Any, bias: Any, grad_weight: Any, grad_bias: Any, **options: Any) -> Reconstruction:
+def reconstruct(
+    weight: Any,
+    bias: Any,
+    grad_weight: Any,
+    grad_bias: Any,
+    *,
+    next_grad_weight: Any = None,
+    **options: Any,
+) -> Reconstruction:
     """Recover the input batch of a linear layer ``Z = W X + b`` followed by a ReLU.
 
     Args:
         weight: W, shape (m, n). bias: b, shape (m,).
         grad_weight: dL/dW as the server received it, shape (m, n).
         grad_bias: dL/db, shape (m,).
+        next_grad_weight: optional, the weight gradient of the linear layer that follows the
+            ReLU, shape (k, m). Its exact zeros reveal intersections of the samples' activation
+            patterns, which the ``auto`` and ``next_layer`` proposers use for large batches.
         **options: see :class:`spear.AttackOptions` (``max_proposals``, ``seed``, ``p_fr``,
             ``time_budget``, ``sparsity``, ``device``, ``progress``, ...).
 
@@ -117,7 +128,20 @@ def reconstruct(weight: Any, bias: Any, grad_weight: Any, grad_bias: Any, **opti
         raise InputError("grad_bias is all zeros: the scale of each sample cannot be recovered (Theorem 3.6)")
     source_dtype = torch.float64 if torch.float64 in (GW.dtype, Gb.dtype) else torch.float32
     cast = {"dtype": opts.dtype, "device": device}
-    return run_attack(W.to(**cast), bvec.to(**cast), GW.to(**cast), Gb.to(**cast), opts, source_dtype)
+    next_gw = None
+    if next_grad_weight is not None:
+        next_gw = _as_tensor("next_grad_weight", next_grad_weight)
+        if next_gw.ndim != 2 or next_gw.shape[1] != m:
+            raise InputError(
+                f"next_grad_weight must be (k, {m}): the next layer's weight gradient, whose inputs are "
+                f"this layer's {m} outputs; got shape {tuple(next_gw.shape)}"
+            )
+        if not bool(torch.isfinite(next_gw).all()):
+            raise InputError("next_grad_weight contains NaN or Inf")
+        next_gw = next_gw.to(**cast)
+    return run_attack(
+        W.to(**cast), bvec.to(**cast), GW.to(**cast), Gb.to(**cast), opts, source_dtype, next_gw
+    )
 
 
 def attack_layer(
@@ -165,6 +189,26 @@ def attack_layer(
     missing = [k for k in (prefix + "weight", prefix + "bias") if k not in grads]
     if missing:
         raise InputError(f"gradients lack {missing}; available: {sorted(grads)[:10]}")
+    options.setdefault("next_grad_weight", _next_layer_gradient(model, layer, module, grads))
     return reconstruct(
         module.weight, module.bias, grads[prefix + "weight"], grads[prefix + "bias"], **options
     )
+
+
+def _next_layer_gradient(
+    model: torch.nn.Module, layer: str, module: torch.nn.Linear, grads: Mapping[str, Any]
+) -> Any:
+    """The weight gradient of the next ``nn.Linear`` after ``layer`` (in module order) that
+    takes this layer's outputs, if only ReLUs stand between them and the server has it."""
+    modules = list(model.named_modules())
+    after = [name for name, _ in modules].index(layer) + 1
+    for name, mod in modules[after:]:
+        if next(mod.children(), None) is not None:
+            continue  # a container: its children follow
+        if isinstance(mod, torch.nn.Linear):
+            key = f"{name}.weight" if name else "weight"
+            fits = mod.in_features == module.out_features and key in grads
+            return grads[key] if fits else None
+        if not isinstance(mod, torch.nn.ReLU):
+            return None
+    return None

@@ -103,7 +103,8 @@ def snap_and_filter(
 ) -> SnapResult:
     """Make rough directions exact and keep those that pass the sparsity filter.
 
-    1. The zero set is ``zero_hint`` (or the rows with ``|L q| <= hint_rtol max|L q|``).
+    1. The zero set is ``zero_hint`` (or, without a hint, the rows with
+       ``|L q| <= hint_rtol max|L q|``; a direction that already has enough exact zeros skips 2).
     2. ``q`` is replaced by the kernel of those rows of L (LU for b-1 rows, else eigh).
     3. Directions whose ``L q`` has fewer than ``threshold_count`` exact zeros are dropped.
     4. The survivors are re-solved by SVD on their full exact zero set (rejected unless that
@@ -120,12 +121,20 @@ def snap_and_filter(
     if directions.shape[0] == 0:
         return empty
     # the hinted rows define the kernel; the rough direction only matters when there is no hint
-    rows = zero_hint if zero_hint is not None else zero_mask(directions.to(L.dtype) @ L.T, hint_rtol)
-    rows = rows[rows.sum(dim=1) >= b - 1]
-    if rows.shape[0] == 0:
+    if zero_hint is None:
+        q = directions.to(L.dtype)
+        q = q / q.norm(dim=1, keepdim=True).clamp_min(torch.finfo(L.dtype).tiny)
+        exact = zero_mask(q @ L.T, zero_rtol).sum(dim=1) >= threshold_count
+        rows = zero_mask(q[~exact] @ L.T, hint_rtol)
+        rows = rows[rows.sum(dim=1) >= b - 1]
+        q = q[exact]  # already exact (e.g. solved in a subspace): no kernel step needed
+    else:
+        q, rows = directions.new_empty(0, b).to(L.dtype), zero_hint[zero_hint.sum(dim=1) >= b - 1]
+    if rows.shape[0]:
+        chunk = max(1, SNAP_CHUNK_ELEMENTS // (L.shape[0] * b))
+        q = torch.cat([q, _first_kernel(L, rows, chunk)])
+    if q.shape[0] == 0:
         return empty
-    chunk = max(1, SNAP_CHUNK_ELEMENTS // (L.shape[0] * b))
-    q = _first_kernel(L, rows, chunk)
     rows = zero_mask(q @ L.T, zero_rtol)
     keep = torch.isfinite(q).all(dim=1) & (rows.sum(dim=1) >= threshold_count)
     q, rows = q[keep], rows[keep]

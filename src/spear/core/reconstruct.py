@@ -185,14 +185,16 @@ def run_attack(
     grad_bias: torch.Tensor,
     options: AttackOptions,
     source_dtype: torch.dtype,
+    next_grad_weight: torch.Tensor | None = None,
 ) -> Reconstruction:
-    """Run SPEAR on validated float tensors (all in ``options.dtype`` on ``options.device``)."""
+    """Run SPEAR on validated float tensors (all in ``options.dtype`` on ``options.device``);
+    ``next_grad_weight`` (the next linear layer's dL/dW', optional) feeds the next-layer proposer."""
     start = time.perf_counter()
     split = low_rank_split(
         grad_weight, batch_size=options.batch_size, rank_rtol=options.rank_rtol, source_dtype=source_dtype
     )
     b = split.batch_size
-    problem = LayerProblem(weight, bias, grad_bias, split.L, split.R, options.sparsity)
+    problem = LayerProblem(weight, bias, grad_bias, split.L, split.R, options.sparsity, next_grad_weight)
     factor = problem.sparse_factor
     rows = factor.shape[0]
     zero_rtol = options.zero_rtol or DEFAULT_ZERO_RTOL.get(source_dtype, 1e-4)

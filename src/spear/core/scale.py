@@ -30,6 +30,7 @@ class LayerProblem:
         weight: W (m x n). bias: b (m,). grad_bias: dL/db (m,).
         L, R: the low-rank split of dL/dW (m x b, b x n).
         mode: which side of the layer is ReLU-sparse.
+        next_grad_weight: the next linear layer's weight gradient, when the server has it.
     """
 
     weight: torch.Tensor
@@ -38,6 +39,9 @@ class LayerProblem:
     L: torch.Tensor
     R: torch.Tensor
     mode: SparsityMode = "output"
+    #: optional: dL/dW' of the next linear layer (k x m), whose exact zeros are intersections of
+    #: the samples' ReLU patterns (used by the next-layer proposer only)
+    next_grad_weight: torch.Tensor | None = None
     #: derived: L^+ dL/db (any left inverse works, Theorem 3.6) and R W^T, reused by every score
     pinv_grad_bias: torch.Tensor = field(init=False, repr=False)
     R_Wt: torch.Tensor = field(init=False, repr=False)

@@ -9,6 +9,7 @@ from spear.core.proposers.auto import AutoProposer
 from spear.core.proposers.base import DirectionProposer, ProposalBatch, ProposalContext
 from spear.core.proposers.guided import GuidedSampler
 from spear.core.proposers.neurons import NeuronGuidedSampler
+from spear.core.proposers.next_layer import NextLayerProposer
 from spear.core.proposers.sampling import RandomSubmatrixSampler
 from spear.core.proposers.sparse_recovery import SparseRecoveryProposer
 
@@ -18,6 +19,7 @@ PROPOSERS = {
     "irls": SparseRecoveryProposer,
     "guided": GuidedSampler,
     "neurons": NeuronGuidedSampler,
+    "next_layer": NextLayerProposer,
     "auto": AutoProposer,
 }
 
@@ -27,6 +29,7 @@ __all__ = [
     "DirectionProposer",
     "GuidedSampler",
     "NeuronGuidedSampler",
+    "NextLayerProposer",
     "ProposalBatch",
     "ProposalContext",
     "RandomSubmatrixSampler",

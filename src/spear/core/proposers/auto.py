@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+from spear import theory
 from spear.core.proposers.base import DirectionProposer, ProposalBatch, ProposalContext
 from spear.core.proposers.guided import GuidedSampler
 from spear.core.proposers.neurons import NeuronGuidedSampler
+from spear.core.proposers.next_layer import NextLayerProposer
 from spear.core.proposers.sampling import RandomSubmatrixSampler
 from spear.core.proposers.sparse_recovery import SparseRecoveryProposer
+
+#: Lemma 5.2 proposal count beyond which the random sampler is not worth its turns (b > ~45)
+SAMPLING_HOPELESS = 1e12
 
 
 class AutoProposer(DirectionProposer):
@@ -16,11 +21,13 @@ class AutoProposer(DirectionProposer):
       every 4th call complement-guided sampling once a direction is known: it finds the least
       sparse columns that uniform sampling reaches only after millions of proposals.
     * Otherwise a rotation, cheapest first, that stays with a proposer until it stalls (a whole
-      pass over the neurons, or one call of the others, without a new direction): neuron-guided sampling
-      (:class:`NeuronGuidedSampler`, approximate inputs from the gradient itself),
-      complement-guided sampling (:class:`GuidedSampler`, once directions are known), then ICA +
-      IRLS (:class:`SparseRecoveryProposer`). Every ``sampling_every``-th call is the random
-      sampler, a safety net whose success does not depend on the other proposers' guesses.
+      pass over its zero sets or neurons, or one call of the others, without a new direction):
+      next-layer zero sets (:class:`NextLayerProposer`, when the next layer's gradient is
+      known), neuron-guided sampling (:class:`NeuronGuidedSampler`, approximate inputs from the
+      gradient itself), complement-guided sampling (:class:`GuidedSampler`), then ICA + IRLS
+      (:class:`SparseRecoveryProposer`). Every ``sampling_every``-th call is the random
+      sampler, a safety net whose success does not depend on the other proposers' guesses, as
+      long as Lemma 5.2 gives it a chance (up to b ~ 45).
       In input-sparsity mode only IRLS and the sampler apply (the guided proposers need W, b on
       the output side).
 
@@ -34,6 +41,7 @@ class AutoProposer(DirectionProposer):
     ) -> None:
         self.sampler = RandomSubmatrixSampler(chunk_size)
         self.neurons = NeuronGuidedSampler()
+        self.next_layer = NextLayerProposer()
         self.guided = GuidedSampler()
         self.recovery = SparseRecoveryProposer()
         self.sampling_only_below = sampling_only_below
@@ -48,10 +56,13 @@ class AutoProposer(DirectionProposer):
         """The proposers in order of cost, each with its patience (stalled calls before moving on)."""
         if ctx.problem is None or ctx.problem.mode != "output":
             return [(self.recovery, 1)]
-        neurons = (self.neurons, self.neurons.calls_per_pass(ctx))  # a whole pass over the neurons
-        if ctx.found.shape[0] == 0:
-            return [neurons, (self.recovery, 1)]
-        return [neurons, (self.guided, 1), (self.recovery, 1)]
+        rotation: list[tuple[DirectionProposer, int]] = []
+        if ctx.problem.next_grad_weight is not None:
+            passes = self.next_layer.calls_per_pass(ctx)
+            if self.next_layer.zero_sets:
+                rotation.append((self.next_layer, passes))
+        rotation.append((self.neurons, self.neurons.calls_per_pass(ctx)))  # a whole pass
+        return [*rotation, (self.guided, 1), (self.recovery, 1)]
 
     def propose(self, ctx: ProposalContext, max_proposals: int) -> ProposalBatch:
         self._turn += 1
@@ -64,7 +75,8 @@ class AutoProposer(DirectionProposer):
             return self.sampler.propose(ctx, max_proposals)
         progressed = found > self._last_found
         self._last_found = found
-        if self._turn % self.sampling_every == 0:
+        sampling_useful = theory.expected_proposals(ctx.batch_size) <= SAMPLING_HOPELESS
+        if sampling_useful and self._turn % self.sampling_every == 0:
             self._rotation_called = False
             return self.sampler.propose(ctx, max_proposals)
         rotation = self._rotation(ctx)

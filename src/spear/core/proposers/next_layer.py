@@ -1,0 +1,137 @@
+"""Zero sets from the layer above: exact intersections of the samples' ReLU patterns.
+
+The server also sees the gradient of the next linear layer, ``dL/dW' = (dL/dZ') A^T`` with
+``A = ReLU(Z)`` the activations of the attacked layer (m x b). Row k of it is
+``sum_j (dL/dZ')_kj a_j``, a combination of the activation vectors of the samples that reach
+neuron k of the next layer. Its exact zeros are therefore the neurons of the attacked layer that
+are inactive for *all* of those samples: ``S_k = intersection of their zero sets``, and every
+such sample's column of dL/dZ vanishes on ``S_k``. So the kernel of ``L[S_k]`` is spanned by the
+directions ``q_j`` of those g samples (Theorem 3.3, applied to a set of columns instead of one):
+
+* g = 1: ``S_k`` is (inside) one sample's zero set, and its kernel *is* the direction;
+* small g: the g sparse directions of a g-dimensional subspace are found by sampling in it, i.e.
+  by adding g-1 random rows outside ``S_k``, which succeeds with probability about
+  ``g 2^-(g-1)`` (Lemma 5.2 with b = g) instead of ``b 2^-(b-1)``.
+
+Every direction goes through the core's exact snapping, so a wrong one is rejected there. With no
+exact zeros in the layer above (another activation, noise) the proposer has nothing to offer and
+reports itself exhausted.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from spear.core.proposers.base import DirectionProposer, ProposalBatch, ProposalContext
+from spear.errors import InputError
+
+#: an entry of dL/dW' at most this times its row's largest entry is an exact zero
+ZERO_RTOL = 1e-12
+#: relative singular value below which a direction of L[S_k] counts as kernel
+KERNEL_RTOL = 1e-9
+
+
+class NextLayerProposer(DirectionProposer):
+    """Directions from the exact zero sets of the next layer's weight gradient.
+
+    Args:
+        max_dimension: largest kernel dimension g searched (cost ~ 2^g solves per zero set).
+        tries_per_set: random row choices per zero set and call are ``tries_per_set * 2^(g-1)``.
+        sets_per_call: zero sets handled per call.
+    """
+
+    name = "next_layer"
+
+    def __init__(self, max_dimension: int = 12, tries_per_set: int = 4, sets_per_call: int = 64) -> None:
+        if max_dimension < 1 or tries_per_set < 1 or sets_per_call < 1:
+            raise InputError("NextLayerProposer needs max_dimension, tries_per_set, sets_per_call >= 1")
+        self.max_dimension = max_dimension
+        self.tries_per_set = tries_per_set
+        self.sets_per_call = sets_per_call
+        self._key: int | None = None
+        self._sets: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._cursor = 0
+
+    def _prepare(self, ctx: ProposalContext) -> None:
+        if self._key == id(ctx.L):
+            return
+        problem = ctx.problem
+        if problem is None or problem.mode != "output" or problem.next_grad_weight is None:
+            raise InputError(
+                "next-layer hints need the gradient of the next linear layer's weight "
+                "(reconstruct(..., next_grad_weight=...) or attack_layer on a model that has one)"
+            )
+        self._key = id(ctx.L)
+        G = problem.next_grad_weight.to(ctx.L.dtype).abs()
+        zero = ZERO_RTOL * G.amax(dim=1, keepdim=True) >= G
+        b = ctx.batch_size
+        # distinct zero sets, largest first (the fewest samples behind them)
+        # (at least b rows: with fewer, L[S]'s kernel also holds directions that are no column)
+        unique = torch.unique(zero[zero.sum(dim=1) >= b], dim=0)
+        unique = unique[unique.sum(dim=1).argsort(descending=True, stable=True)]
+        self._sets = []
+        for mask in unique:
+            _, sv, Vh = torch.linalg.svd(ctx.L[mask], full_matrices=True)
+            rank = int((sv > KERNEL_RTOL * sv[0]).sum()) if sv.numel() else 0
+            if 1 <= b - rank <= self.max_dimension:
+                self._sets.append((mask, Vh[rank:].T.contiguous()))  # kernel basis K (b x g)
+        self._cursor = 0
+
+    @property
+    def zero_sets(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """The usable zero sets with their kernel bases (b x g), after the first call."""
+        return self._sets
+
+    def calls_per_pass(self, ctx: ProposalContext) -> int:
+        """Calls that visit every usable zero set once."""
+        self._prepare(ctx)
+        return max(1, math.ceil(len(self._sets) / self.sets_per_call))
+
+    def _directions_in(self, ctx: ProposalContext, mask: torch.Tensor, K: torch.Tensor) -> torch.Tensor:
+        """Sparse directions of the subspace K: kernels of g-1 random rows outside the zero set,
+        kept when L q has zeros beyond the rows chosen (a mixture of the g columns has none)."""
+        g = K.shape[1]
+        if g == 1:
+            return K.T
+        M = ctx.L @ K  # (m, g): L on the subspace
+        outside = (~mask).nonzero()[:, 0]
+        if outside.numel() < g - 1:
+            return K.new_empty(0, K.shape[0])
+        tries = self.tries_per_set * 2 ** (g - 1)
+        noise = torch.rand(tries, outside.numel(), generator=ctx.generator).to(M.device)
+        picks = outside[noise.argsort(dim=1)[:, : g - 1]]  # (tries, g-1)
+        _, _, Vh = torch.linalg.svd(M[picks], full_matrices=True)  # (tries, g, g)
+        v = Vh[:, -1, :]  # kernel of the g-1 chosen rows
+        values = (M[outside] @ v.T).abs()  # (outside, tries)
+        zeros = (values <= KERNEL_RTOL * values.amax(dim=0, keepdim=True)).sum(dim=0)
+        # more zeros than the chosen rows (a column, not a mixture) and enough of them in all
+        good = (zeros > 2 * (g - 1)) & (zeros + int(mask.sum()) >= ctx.threshold_count)
+        if not bool(good.any()):
+            return K.new_empty(0, K.shape[0])
+        q = v[good] @ K.T
+        signature = values[:, good] <= KERNEL_RTOL * values[:, good].amax(dim=0, keepdim=True)
+        _, first = _first_of_each(signature.T)
+        return q[first]
+
+    def propose(self, ctx: ProposalContext, max_proposals: int) -> ProposalBatch:
+        self._prepare(ctx)
+        b = ctx.batch_size
+        if not self._sets:
+            return ProposalBatch(ctx.L.new_empty(0, b), n_drawn=0, exhausted=True)
+        count = min(self.sets_per_call, len(self._sets))
+        chunk = [self._sets[(self._cursor + i) % len(self._sets)] for i in range(count)]
+        self._cursor = (self._cursor + count) % len(self._sets)
+        found = [self._directions_in(ctx, mask, K) for mask, K in chunk]
+        tried = sum(self.tries_per_set * 2 ** (K.shape[1] - 1) if K.shape[1] > 1 else 1 for _, K in chunk)
+        directions = torch.cat(found) if found else ctx.L.new_empty(0, b)
+        return ProposalBatch(directions, n_drawn=tried)
+
+
+def _first_of_each(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Distinct rows of a bool matrix and the index of the first occurrence of each."""
+    unique, inverse = torch.unique(rows, dim=0, return_inverse=True)
+    first = torch.full((unique.shape[0],), rows.shape[0], dtype=torch.long, device=rows.device)
+    first.scatter_reduce_(0, inverse, torch.arange(rows.shape[0], device=rows.device), reduce="amin")
+    return unique, first

@@ -83,6 +83,28 @@ def _first_kernel(L: torch.Tensor, rows: torch.Tensor, chunk: int) -> torch.Tens
     return out
 
 
+def _mask_signatures(masks: torch.Tensor) -> torch.Tensor:
+    """Exact integer fingerprints of bool rows (equal rows, equal fingerprints; distinct rows
+    collide with probability ~2^-40)."""
+    weights = torch.randint(
+        0, 2**40, (masks.shape[1],), generator=torch.Generator().manual_seed(masks.shape[1])
+    ).to(masks.device)
+    return (masks.long() * weights).sum(dim=1)
+
+
+def _first_occurrences(rows: torch.Tensor, known: torch.Tensor | None) -> torch.Tensor:
+    """Indices of the first row of each distinct mask that is not in ``known``."""
+    if rows.shape[0] == 0:
+        return torch.zeros(0, dtype=torch.long, device=rows.device)
+    sig = _mask_signatures(rows)
+    unique, inverse = torch.unique(sig, return_inverse=True)
+    first = torch.full((unique.shape[0],), rows.shape[0], dtype=torch.long, device=rows.device)
+    first.scatter_reduce_(0, inverse, torch.arange(rows.shape[0], device=rows.device), reduce="amin")
+    if known is not None and known.shape[0]:
+        first = first[~torch.isin(unique, _mask_signatures(known))]
+    return first.sort().values
+
+
 @dataclass
 class SnapResult:
     """Exact directions that passed the filter, with their zero masks and counts."""
@@ -100,6 +122,7 @@ def snap_and_filter(
     threshold_count: int,
     zero_rtol: float,
     hint_rtol: float = 1e-3,
+    known_masks: torch.Tensor | None = None,
 ) -> SnapResult:
     """Make rough directions exact and keep those that pass the sparsity filter.
 
@@ -107,9 +130,10 @@ def snap_and_filter(
        ``|L q| <= hint_rtol max|L q|``; a direction that already has enough exact zeros skips 2).
     2. ``q`` is replaced by the kernel of those rows of L (LU for b-1 rows, else eigh).
     3. Directions whose ``L q`` has fewer than ``threshold_count`` exact zeros are dropped.
-    4. The survivors are re-solved by SVD on their full exact zero set (rejected unless that
-       kernel is one-dimensional), counted once more, and flagged robust when no zero row is
-       essential (mixtures never are; see ``_kernel_of_rows``).
+    4. The survivors with distinct zero sets not among ``known_masks`` (the pool's: the same
+       exact zero set means the same direction) are re-solved by SVD on their full exact zero
+       set (rejected unless that kernel is one-dimensional), counted once more, and flagged
+       robust when no zero row is essential (mixtures never are; see ``_kernel_of_rows``).
     """
     b = L.shape[1]
     empty = SnapResult(
@@ -138,6 +162,9 @@ def snap_and_filter(
     rows = zero_mask(q @ L.T, zero_rtol)
     keep = torch.isfinite(q).all(dim=1) & (rows.sum(dim=1) >= threshold_count)
     q, rows = q[keep], rows[keep]
+    # one exact re-solve per distinct zero set, none for directions already known
+    fresh = _first_occurrences(rows, known_masks)
+    q, rows = q[fresh], rows[fresh]
     if q.shape[0] == 0:
         return empty
     # exact re-solve on the full zero set, with the one-dimensional-kernel check

@@ -295,7 +295,9 @@ def run_attack(
                 break
             batch = proposer.propose(ctx, budget - drawn)
             drawn += batch.n_drawn
-            snapped = snap_and_filter(factor, batch.directions, batch.zero_hint, threshold, zero_rtol)
+            snapped = snap_and_filter(
+                factor, batch.directions, batch.zero_hint, threshold, zero_rtol, known_masks=pool.zero_masks
+            )
             added = pool.add(snapped)
             if added:
                 ctx.found = pool.trusted  # proposers deflate against / guide from robust candidates

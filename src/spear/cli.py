@@ -134,7 +134,9 @@ InitOpt = Annotated[str, typer.Option(help="weight init: default, kaiming, xavie
 PretrainOpt = Annotated[int, typer.Option(help="train the network this many SGD steps first (Fig. 7)")]
 SingleOpt = Annotated[bool, typer.Option(help="all samples of one label (heterogeneous client)")]
 PfrOpt = Annotated[float, typer.Option(help="false-rejection rate p_fr (sets tau)")]
-ProposerOpt = Annotated[str, typer.Option(help="direction proposer: auto, sampling, irls, guided")]
+ProposerOpt = Annotated[
+    str, typer.Option(help="direction proposer: auto, sampling, irls, guided, neurons, next_layer")
+]
 
 
 @app.command()

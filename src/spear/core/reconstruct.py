@@ -69,8 +69,9 @@ class AttackOptions:
         zero_rtol: entries below ``zero_rtol * max`` count as zeros.
         verify_rtol: relative tolerance of the gradient verification.
         proposer: a :class:`DirectionProposer`, or a name: "auto" (default: random sampling for
-            small batches, ICA+IRLS with sampling as fallback for large ones), "sampling" (the
-            paper's Algorithm 1), "irls" (polynomial-time sparse recovery only).
+            small batches; for large ones next-layer zero sets, neuron-guided and
+            complement-guided sampling and ICA+IRLS, see :class:`AutoProposer`), "sampling" (the
+            paper's Algorithm 1), "irls", "guided", "neurons", "next_layer" (one strategy only).
         progress: called with a :class:`ProgressEvent` after every step.
     """
 

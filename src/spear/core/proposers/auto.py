@@ -20,8 +20,9 @@ class AutoProposer(DirectionProposer):
     * ``b <= sampling_only_below``: the paper's random sampler (milliseconds at this size), with
       every 4th call complement-guided sampling once a direction is known: it finds the least
       sparse columns that uniform sampling reaches only after millions of proposals.
-    * Otherwise a rotation, cheapest first, that stays with a proposer until it stalls (a whole
-      pass over its zero sets or neurons, or one call of the others, without a new direction):
+    * Otherwise a rotation, cheapest first, that stays with a proposer while it finds new
+      directions, and moves on once its fruitless calls cost as much as one call of the most
+      expensive proposer (:meth:`DirectionProposer.cost`), so stalled proposers share compute:
       next-layer zero sets (:class:`NextLayerProposer`, when the next layer's gradient is
       known), neuron-guided sampling (:class:`NeuronGuidedSampler`, approximate inputs from the
       gradient itself), complement-guided sampling (:class:`GuidedSampler`), then ICA + IRLS
@@ -49,20 +50,17 @@ class AutoProposer(DirectionProposer):
         self._last_found = 0
         self._turn = 0
         self._current = 0  # index into the rotation
-        self._stalls = 0  # consecutive calls of the current proposer that found nothing
-        self._rotation_called = False  # whether the previous call was the rotation's
+        self._stalled_work = 0.0  # estimated work of the current proposer's fruitless calls
+        self._last_call: DirectionProposer | None = None  # the rotation's previous call, if last
 
-    def _rotation(self, ctx: ProposalContext) -> list[tuple[DirectionProposer, int]]:
-        """The proposers in order of cost, each with its patience (stalled calls before moving on)."""
+    def _rotation(self, ctx: ProposalContext) -> list[DirectionProposer]:
+        """The proposers in order of cost."""
         if ctx.problem is None or ctx.problem.mode != "output":
-            return [(self.recovery, 1)]
-        rotation: list[tuple[DirectionProposer, int]] = []
-        if ctx.problem.next_grad_weight is not None:
-            passes = self.next_layer.calls_per_pass(ctx)
-            if self.next_layer.zero_sets:
-                rotation.append((self.next_layer, passes))
-        rotation.append((self.neurons, self.neurons.calls_per_pass(ctx)))  # a whole pass
-        return [*rotation, (self.guided, 1), (self.recovery, 1)]
+            return [self.recovery]
+        rotation: list[DirectionProposer] = []
+        if ctx.problem.next_grad_weight is not None and self.next_layer.has_zero_sets(ctx):
+            rotation.append(self.next_layer)
+        return [*rotation, self.neurons, self.guided, self.recovery]
 
     def propose(self, ctx: ProposalContext, max_proposals: int) -> ProposalBatch:
         self._turn += 1
@@ -77,13 +75,17 @@ class AutoProposer(DirectionProposer):
         self._last_found = found
         sampling_useful = theory.expected_proposals(ctx.batch_size) <= SAMPLING_HOPELESS
         if sampling_useful and self._turn % self.sampling_every == 0:
-            self._rotation_called = False
+            self._last_call = None
             return self.sampler.propose(ctx, max_proposals)
         rotation = self._rotation(ctx)
-        if self._rotation_called:  # judge the rotation's last call, not the sampler's
-            self._stalls = 0 if progressed else self._stalls + 1
-        if self._stalls >= rotation[self._current % len(rotation)][1]:
-            self._current += 1  # the current proposer stalled: the next one's turn
-            self._stalls = 0
-        self._rotation_called = True
-        return rotation[self._current % len(rotation)][0].propose(ctx, max_proposals)
+        if self._last_call is not None:  # judge the rotation's last call, not the sampler's
+            self._stalled_work = 0.0 if progressed else self._stalled_work + self._last_call.cost(ctx)
+        current = rotation[self._current % len(rotation)]
+        # a stalled proposer keeps the turn until it has spent as much work as one call of the
+        # most expensive one: when all stall, each gets the same compute
+        if self._stalled_work > 0 and self._stalled_work >= max(p.cost(ctx) for p in rotation):
+            self._current += 1
+            self._stalled_work = 0.0
+            current = rotation[self._current % len(rotation)]
+        self._last_call = current
+        return current.propose(ctx, max_proposals)

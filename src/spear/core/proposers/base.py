@@ -70,6 +70,12 @@ def orthogonal_complement(vectors: torch.Tensor, dim: int) -> torch.Tensor:
     return Vh[k:].T
 
 
+def hint_cost(ctx: ProposalContext, hints: int) -> float:
+    """Work of snapping ``hints`` (b-1)-row hints: a batched LU solve and a zero count each."""
+    b, m = ctx.batch_size, ctx.rows
+    return hints * (b**3 / 3 + m * b)
+
+
 class DirectionProposer(ABC):
     """Proposes candidate directions ``q`` with sparse ``L q``."""
 
@@ -79,3 +85,11 @@ class DirectionProposer(ABC):
     @abstractmethod
     def propose(self, ctx: ProposalContext, max_proposals: int) -> ProposalBatch:
         """Draw at most ``max_proposals`` proposals and return the promising ones."""
+
+    def cost(self, ctx: ProposalContext) -> float:
+        """Estimated floating-point work of one call, including snapping what it returns.
+
+        Schedulers (:class:`AutoProposer`) use it to give stalled proposers equal compute; it
+        must be deterministic (no timing), so that runs stay reproducible.
+        """
+        return hint_cost(ctx, 1)

@@ -26,6 +26,7 @@ from spear.core.proposers.base import (
     DirectionProposer,
     ProposalBatch,
     ProposalContext,
+    hint_cost,
     orthogonal_complement,
 )
 from spear.errors import InputError
@@ -107,6 +108,11 @@ class GuidedSampler(DirectionProposer):
             idx = torch.linspace(0, mids.numel() - 1, count, device=a.device).round().long()
             mids = mids[idx]
         return mids
+
+    def cost(self, ctx: ProposalContext) -> float:
+        # the (b-1)-subsets, plus one eigh-snapped hint (m x b^2) per guess's whole inactive set
+        guesses = self.guesses_per_call
+        return hint_cost(ctx, guesses * self.subsets_per_guess) + guesses * ctx.rows * ctx.batch_size**2
 
     def propose(self, ctx: ProposalContext, max_proposals: int) -> ProposalBatch:
         problem = ctx.problem

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import torch
 
-from spear.core.proposers.base import DirectionProposer, ProposalBatch, ProposalContext
+from spear.core.proposers.base import DirectionProposer, ProposalBatch, ProposalContext, hint_cost
 from spear.errors import InputError
 
 #: a virtual sample whose ``|p . s|`` is below this (relative to ``|p| |s|``) has no usable scale
@@ -91,10 +91,10 @@ class NeuronGuidedSampler(DirectionProposer):
         self._cursor = 0
         self._pass = 0
 
-    def calls_per_pass(self, ctx: ProposalContext) -> int:
-        """Calls that visit every live neuron once."""
+    def cost(self, ctx: ProposalContext) -> float:
         self._prepare(ctx)
-        return max(1, -(-self._order.numel() // self.neurons_per_call))
+        neurons = min(self.neurons_per_call, max(1, self._order.numel()))
+        return hint_cost(ctx, neurons * (1 + self.subsets_per_neuron))
 
     def _next_neurons(self) -> torch.Tensor:
         if self._cursor >= self._order.numel():

@@ -20,8 +20,6 @@ reports itself exhausted.
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 from spear.core.proposers.base import DirectionProposer, ProposalBatch, ProposalContext
@@ -84,10 +82,15 @@ class NextLayerProposer(DirectionProposer):
         """The usable zero sets with their kernel bases (b x g), after the first call."""
         return self._sets
 
-    def calls_per_pass(self, ctx: ProposalContext) -> int:
-        """Calls that visit every usable zero set once."""
+    def has_zero_sets(self, ctx: ProposalContext) -> bool:
+        """Whether the next layer's gradient has usable zero sets (else nothing to propose)."""
         self._prepare(ctx)
-        return max(1, math.ceil(len(self._sets) / self.sets_per_call))
+        return bool(self._sets)
+
+    def cost(self, ctx: ProposalContext) -> float:
+        # small solves in each subspace, then one exact re-solve (m x b^2) per new direction
+        self._prepare(ctx)
+        return min(self.sets_per_call, max(1, len(self._sets))) * ctx.rows * ctx.batch_size**2
 
     def _directions_in(self, ctx: ProposalContext, mask: torch.Tensor, K: torch.Tensor) -> torch.Tensor:
         """Sparse directions of the subspace K: kernels of g-1 random rows outside the zero set,

@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from spear.core.proposers.base import DirectionProposer, ProposalBatch, ProposalContext
+from spear.core.proposers.base import DirectionProposer, ProposalBatch, ProposalContext, hint_cost
 
 #: relative magnitude below which an entry of ``L q`` counts as zero in the fast pre-filter
 PREFILTER_RTOL = {torch.float32: 1e-3, torch.float64: 1e-7}
@@ -74,6 +74,9 @@ class RandomSubmatrixSampler(DirectionProposer):
             self._cache_key = key
         assert self._L_cast is not None
         return self._L_cast
+
+    def cost(self, ctx: ProposalContext) -> float:
+        return hint_cost(ctx, self.chunk_size)
 
     def propose(self, ctx: ProposalContext, max_proposals: int) -> ProposalBatch:
         L = self._cast(ctx)

@@ -21,6 +21,7 @@ from spear.core.proposers.base import (
     DirectionProposer,
     ProposalBatch,
     ProposalContext,
+    hint_cost,
     orthogonal_complement,
 )
 
@@ -190,6 +191,12 @@ class SparseRecoveryProposer(DirectionProposer):
         if starts.shape[0] > count:  # the rest of an ICA run waits for the next call
             self._queue.insert(0, starts[count:])
         return starts[:count]
+
+    def cost(self, ctx: ProposalContext) -> float:
+        m, b = ctx.rows, ctx.batch_size
+        starts = self.starts_for(m, b)
+        irls = starts * self.iterations * (m * b * b + 4 * b**3)
+        return irls + hint_cost(ctx, starts * (2 + self.subsets_per_direction))
 
     def propose(self, ctx: ProposalContext, max_proposals: int) -> ProposalBatch:
         self._prepare(ctx)

@@ -9,9 +9,11 @@ from spear.core.filtering import snap_and_filter, zero_mask
 from spear.core.lowrank import low_rank_split
 from spear.core.proposers import (
     AutoProposer,
+    DirectionProposer,
     GuidedSampler,
     NeuronGuidedSampler,
     NextLayerProposer,
+    ProposalBatch,
     ProposalContext,
     RandomSubmatrixSampler,
     SparseRecoveryProposer,
@@ -342,3 +344,44 @@ def test_next_layer_gradient_only_through_relu():
     sigmoid = torch.nn.Sequential(torch.nn.Linear(8, 6), torch.nn.Sigmoid(), torch.nn.Linear(6, 3))
     assert _next_layer_gradient(sigmoid, "0", sigmoid[0], grads) is None
     assert _next_layer_gradient(relu, "2", relu[2], grads) is None  # the last layer has none
+
+
+class _Stub(DirectionProposer):
+    """A proposer with a fixed cost that records its calls and may 'find' directions."""
+
+    def __init__(self, name, work, finds=0):
+        self.name, self.work, self.finds, self.calls = name, work, finds, 0
+
+    def cost(self, ctx):
+        return self.work
+
+    def propose(self, ctx, max_proposals):
+        self.calls += 1
+        if self.finds:
+            self.finds -= 1
+            ctx.found = torch.cat([ctx.found, torch.zeros(1, ctx.batch_size, dtype=ctx.found.dtype)])
+        return ProposalBatch(torch.empty(0, ctx.batch_size), n_drawn=1)
+
+
+def test_auto_shares_compute_among_stalled_proposers_and_keeps_a_finder():
+    from types import SimpleNamespace
+
+    b = 64  # random sampling hopeless: no sampler turns
+    ctx = ProposalContext(
+        L=torch.zeros(640, b, dtype=torch.float64),
+        batch_size=b,
+        threshold_count=300,
+        generator=torch.Generator().manual_seed(0),
+        proposal_dtype=torch.float32,
+        found=torch.empty(0, b, dtype=torch.float64),
+        problem=SimpleNamespace(mode="output", next_grad_weight=None),
+    )
+    auto = AutoProposer()
+    auto.neurons, auto.guided, auto.recovery = _Stub("n", 1.0, finds=5), _Stub("g", 10.0), _Stub("r", 100.0)
+    for _ in range(5 + 100 + 10 + 1):
+        auto.propose(ctx, 10**6)
+    # the finder kept the turn for its 5 finds, then each stalled proposer spent ~100 units
+    assert auto.neurons.calls == 5 + 100 and auto.guided.calls == 10 and auto.recovery.calls == 1
+    for _ in range(100 + 10 + 1):
+        auto.propose(ctx, 10**6)
+    assert auto.neurons.calls == 205 and auto.guided.calls == 20 and auto.recovery.calls == 2

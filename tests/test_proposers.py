@@ -363,8 +363,10 @@ class _Stub(DirectionProposer):
         return ProposalBatch(torch.empty(0, ctx.batch_size), n_drawn=1)
 
 
-def test_auto_shares_compute_among_stalled_proposers_and_keeps_a_finder():
+def test_auto_shares_compute_among_stalled_proposers_and_keeps_a_finder(monkeypatch):
     from types import SimpleNamespace
+
+    monkeypatch.setattr("spear.core.proposers.auto.CALL_OVERHEAD", 0.0)  # the stubs' costs only
 
     b = 64  # random sampling hopeless: no sampler turns
     ctx = ProposalContext(

@@ -12,6 +12,8 @@ from spear.core.proposers.sparse_recovery import SparseRecoveryProposer
 
 #: Lemma 5.2 proposal count beyond which the random sampler is not worth its turns (b > ~45)
 SAMPLING_HOPELESS = 1e12
+#: cost-estimate equivalent of the fixed work of any call (snapping, sorting, bookkeeping)
+CALL_OVERHEAD = 2e8
 
 
 class AutoProposer(DirectionProposer):
@@ -79,11 +81,13 @@ class AutoProposer(DirectionProposer):
             return self.sampler.propose(ctx, max_proposals)
         rotation = self._rotation(ctx)
         if self._last_call is not None:  # judge the rotation's last call, not the sampler's
-            self._stalled_work = 0.0 if progressed else self._stalled_work + self._last_call.cost(ctx)
+            spent = self._last_call.cost(ctx) + CALL_OVERHEAD
+            self._stalled_work = 0.0 if progressed else self._stalled_work + spent
         current = rotation[self._current % len(rotation)]
         # a stalled proposer keeps the turn until it has spent as much work as one call of the
         # most expensive one: when all stall, each gets the same compute
-        if self._stalled_work > 0 and self._stalled_work >= max(p.cost(ctx) for p in rotation):
+        most = max(p.cost(ctx) for p in rotation) + CALL_OVERHEAD
+        if self._stalled_work > 0 and self._stalled_work >= most:
             self._current += 1
             self._stalled_work = 0.0
             current = rotation[self._current % len(rotation)]

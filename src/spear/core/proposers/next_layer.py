@@ -29,6 +29,8 @@ from spear.errors import InputError
 ZERO_RTOL = 1e-12
 #: relative singular value below which a direction of L[S_k] counts as kernel
 KERNEL_RTOL = 1e-9
+#: cost-estimate equivalent of the fixed work per zero set and call (see ``cost``)
+PER_SET_OVERHEAD = 5e6
 
 
 class NextLayerProposer(DirectionProposer):
@@ -88,9 +90,16 @@ class NextLayerProposer(DirectionProposer):
         return bool(self._sets)
 
     def cost(self, ctx: ProposalContext) -> float:
-        # small solves in each subspace, then one exact re-solve (m x b^2) per new direction
+        # per zero set of the next call: the tries' small SVDs and products, a fixed overhead
+        # (a Python-level step per set), and an exact re-solve (m x b^2) of what it returns
         self._prepare(ctx)
-        return min(self.sets_per_call, max(1, len(self._sets))) * ctx.rows * ctx.batch_size**2
+        m, b = ctx.rows, ctx.batch_size
+        work = 0.0
+        for i in range(min(self.sets_per_call, len(self._sets))):
+            g = self._sets[(self._cursor + i) % len(self._sets)][1].shape[1]
+            tries = self.tries_per_set * 2 ** (g - 1) if g > 1 else 1
+            work += tries * (10 * g**3 + m * g) + PER_SET_OVERHEAD + m * b * b
+        return work
 
     def _directions_in(self, ctx: ProposalContext, mask: torch.Tensor, K: torch.Tensor) -> torch.Tensor:
         """Sparse directions of the subspace K: kernels of g-1 random rows outside the zero set,

@@ -12,11 +12,11 @@ measured failures). The paper's random sampler is measured by bench_sampling.py;
 Lemma 5.2 line of the plot (expected proposals / measured proposals per second), and it runs
 only when asked for (``--proposers ... sampling``) and where Lemma 5.2 expects < 1e9 proposals.
 
-Default, the issue's grid (about 45 minutes on 2 cores):
+Default, the issue's grid (about an hour on 2 cores):
     python benchmarks/bench_scaling.py
-More seeds for one cell:
+More seeds for one cell (seeds 3-9, next to the sweep's 0-2):
     python benchmarks/bench_scaling.py --widths 1000 --batch-sizes 100 --proposers auto \
-        --seeds 10 --out benchmarks/results/scaling_b100_m1000.json --plot ''
+        --first-seed 3 --seeds 7 --out benchmarks/results/scaling_b100_m1000.json --plot ''
 Quick check (a minute): --widths 500 --batch-sizes 20 50 --seeds 1
 """
 
@@ -116,6 +116,7 @@ def main() -> None:
     ap.add_argument("--widths", type=int, nargs="+", default=[200, 500, 1000, 2000])
     ap.add_argument("--proposers", nargs="+", default=["auto", "neurons", "irls"])
     ap.add_argument("--seeds", type=int, default=3)
+    ap.add_argument("--first-seed", type=int, default=0, help="seeds run are first-seed, first-seed+1, ...")
     ap.add_argument("--stop-after", type=int, default=1, help="failed first seeds that end a line")
     ap.add_argument("--depth", type=int, default=6)
     ap.add_argument("--time-budget", type=float, default=120.0, help="seconds at b <= 100")
@@ -154,7 +155,7 @@ def main() -> None:
                 elif stopped_at is not None:
                     row["not_run"] = f"failed at b={stopped_at}"
                 else:
-                    for seed in range(args.seeds):
+                    for seed in range(args.first_seed, args.first_seed + args.seeds):
                         rec, ok = attack_batch(
                             dataset, m, b, args.depth, seed, proposer=proposer, time_budget=row["time_budget"]
                         )
@@ -174,7 +175,8 @@ def main() -> None:
                             f"candidates={rec.stats.candidates}",
                             flush=True,
                         )
-                        if seed + 1 == args.stop_after and not any(r["exact"] for r in row["runs"]):
+                        tried = len(row["runs"])
+                        if tried == args.stop_after and not any(r["exact"] for r in row["runs"]):
                             stopped_at = b
                             break
                     good = [r for r in row["runs"] if r["exact"]]

@@ -61,12 +61,13 @@ def plot(rows: list[dict], path: str, rate: float) -> None:
             if not sel:
                 continue
             bs = [r["b"] for r in sel]
-            (line,) = ax_acc.plot(bs, [100 * r["accuracy"] for r in sel], marker="o", label=proposer)
+            color = f"C{proposers.index(proposer)}"  # one color per proposer in every panel
+            ax_acc.plot(bs, [100 * r["accuracy"] for r in sel], marker="o", color=color, label=proposer)
             ax_time.plot(
                 bs,
                 [r["median_seconds_exact"] or float("nan") for r in sel],
                 marker="o",
-                color=line.get_color(),
+                color=color,
                 label=proposer,
             )
         bs = sorted({r["b"] for r in rows if r["m"] == m})
@@ -86,7 +87,8 @@ def plot(rows: list[dict], path: str, rate: float) -> None:
             ax.grid(alpha=0.3)
     axes[0][0].set_ylabel("exact batches (%)")
     axes[1][0].set_ylabel("median s to exact recovery")
-    axes[1][-1].legend(fontsize=7, loc="upper left")
+    handles = {h.get_label(): h for ax in axes[1] for h in ax.get_lines()}  # every proposer once
+    axes[1][0].legend(handles.values(), handles.keys(), fontsize=7, loc="upper right")
     fig.suptitle("spear-fl on MNIST (n=784), 6-layer ReLU FCN, 2 CPU cores")
     fig.tight_layout()
     fig.savefig(path, dpi=110)

@@ -23,6 +23,20 @@ from spear.core.scale import LayerProblem
 from spear.theory import sparsity_threshold_count
 
 
+def fresh_context(problem, seed):
+    """A proposal context with nothing found yet (p_fr = 1e-5)."""
+    b = problem.batch_size
+    return ProposalContext(
+        L=problem.L,
+        batch_size=b,
+        threshold_count=sparsity_threshold_count(problem.L.shape[0], 1e-5),
+        generator=torch.Generator().manual_seed(seed),
+        proposal_dtype=torch.float32,
+        found=torch.empty(0, b, dtype=torch.float64),
+        problem=problem,
+    )
+
+
 def setup(b, width, seed, depth=3):
     client = make_client(b, width=width, depth=depth, seed=seed)
     W, bias, GW, Gb = (t.detach() for t in client.layer_args())
@@ -30,15 +44,7 @@ def setup(b, width, seed, depth=3):
     problem = LayerProblem(W, bias, Gb, split.L, split.R)
     Qt = torch.linalg.lstsq(split.L, client.grad_z).solution
     Qt = Qt / Qt.norm(dim=0)
-    ctx = ProposalContext(
-        L=split.L,
-        batch_size=b,
-        threshold_count=sparsity_threshold_count(width, 1e-5),
-        generator=torch.Generator().manual_seed(seed),
-        proposal_dtype=torch.float32,
-        found=torch.empty(0, b, dtype=torch.float64),
-        problem=problem,
-    )
+    ctx = fresh_context(problem, seed)
     return client, split, Qt, ctx
 
 
@@ -264,15 +270,7 @@ def _mnist_problem(b, width, seed):
     (dZ,) = torch.autograd.grad(loss, Z)
     Qt = torch.linalg.lstsq(split.L, dZ.T).solution
     Z = Z.detach()
-    ctx = ProposalContext(
-        L=split.L,
-        batch_size=b,
-        threshold_count=sparsity_threshold_count(width, 1e-5),
-        generator=torch.Generator().manual_seed(seed),
-        proposal_dtype=torch.float32,
-        found=torch.empty(0, b, dtype=torch.float64),
-        problem=problem,
-    )
+    ctx = fresh_context(problem, seed)
     return view, truth, split, Z, ctx, Qt / Qt.norm(dim=0)
 
 

@@ -92,7 +92,7 @@ def _mask_signatures(masks: torch.Tensor) -> torch.Tensor:
     return (masks.long() * weights).sum(dim=1)
 
 
-def _first_occurrences(rows: torch.Tensor, known: torch.Tensor | None) -> torch.Tensor:
+def first_occurrences(rows: torch.Tensor, known: torch.Tensor | None) -> torch.Tensor:
     """Indices of the first row of each distinct mask that is not in ``known``."""
     if rows.shape[0] == 0:
         return torch.zeros(0, dtype=torch.long, device=rows.device)
@@ -163,7 +163,7 @@ def snap_and_filter(
     keep = torch.isfinite(q).all(dim=1) & (rows.sum(dim=1) >= threshold_count)
     q, rows = q[keep], rows[keep]
     # one exact re-solve per distinct zero set, none for directions already known
-    fresh = _first_occurrences(rows, known_masks)
+    fresh = first_occurrences(rows, known_masks)
     q, rows = q[fresh], rows[fresh]
     if q.shape[0] == 0:
         return empty

@@ -134,8 +134,9 @@ class NeuronGuidedSampler(DirectionProposer):
         b, m = ctx.batch_size, ctx.rows
         neurons = self._next_neurons()
         Z = self.virtual_preactivations(ctx, neurons, self.scales[self._pass % len(self.scales)])
-        if Z.shape[0] == 0:
-            return ProposalBatch(torch.empty(0, b, dtype=ctx.L.dtype, device=ctx.L.device), n_drawn=0)
+        if Z.shape[0] == 0:  # every virtual sample degenerate: count them, so budgets still end
+            empty = torch.empty(0, b, dtype=ctx.L.dtype, device=ctx.L.device)
+            return ProposalBatch(empty, n_drawn=max(1, neurons.numel()), exhausted=self._order.numel() == 0)
         order = Z.argsort(dim=1)[:, : min(m, int(max(self.pool_factors) * b) + 1)]  # most negative first
         hints = [torch.zeros(Z.shape[0], m, dtype=torch.bool, device=Z.device)]
         hints[0].scatter_(1, order[:, : b - 1], True)

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import torch
 
+from spear.core.filtering import first_occurrences
 from spear.core.proposers.base import DirectionProposer, ProposalBatch, ProposalContext
 from spear.errors import InputError
 
@@ -124,8 +125,7 @@ class NextLayerProposer(DirectionProposer):
             return K.new_empty(0, K.shape[0])
         q = v[good] @ K.T
         signature = values[:, good] <= KERNEL_RTOL * values[:, good].amax(dim=0, keepdim=True)
-        _, first = _first_of_each(signature.T)
-        return q[first]
+        return q[first_occurrences(signature.T, None)]
 
     def propose(self, ctx: ProposalContext, max_proposals: int) -> ProposalBatch:
         self._prepare(ctx)
@@ -139,11 +139,3 @@ class NextLayerProposer(DirectionProposer):
         tried = sum(self.tries_per_set * 2 ** (K.shape[1] - 1) if K.shape[1] > 1 else 1 for _, K in chunk)
         directions = torch.cat(found) if found else ctx.L.new_empty(0, b)
         return ProposalBatch(directions, n_drawn=tried)
-
-
-def _first_of_each(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Distinct rows of a bool matrix and the index of the first occurrence of each."""
-    unique, inverse = torch.unique(rows, dim=0, return_inverse=True)
-    first = torch.full((unique.shape[0],), rows.shape[0], dtype=torch.long, device=rows.device)
-    first.scatter_reduce_(0, inverse, torch.arange(rows.shape[0], device=rows.device), reduce="amin")
-    return unique, first

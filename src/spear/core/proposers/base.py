@@ -70,6 +70,28 @@ def orthogonal_complement(vectors: torch.Tensor, dim: int) -> torch.Tensor:
     return Vh[k:].T
 
 
+def rows_to_mask(rows: torch.Tensor, m: int) -> torch.Tensor:
+    """(k, m) bool masks with the row indices ``rows`` (k x j) set."""
+    mask = torch.zeros(rows.shape[0], m, dtype=torch.bool, device=rows.device)
+    return mask.scatter_(1, rows, True)
+
+
+def pool_subsets(
+    order: torch.Tensor, pool: int | torch.Tensor, b: int, m: int, generator: torch.Generator
+) -> torch.Tensor:
+    """Guided-sampling hints (Section 6.3): for each row of ``order`` (row indices ranked most
+    likely zero first), a random (b-1)-subset of its first ``pool`` entries, as an (k, m) mask.
+    ``pool`` is one size for all, or one size per row."""
+    if isinstance(pool, int):
+        noise = torch.rand(order.shape[0], pool, generator=generator).to(order.device)
+    else:
+        width = order.shape[1]
+        noise = torch.rand(order.shape[0], width, generator=generator).to(order.device)
+        slots = torch.arange(width, device=order.device)[None, :] < pool[:, None]
+        noise = torch.where(slots, noise, 2.0)  # only the first pool slots can be picked
+    return rows_to_mask(order.gather(1, noise.argsort(dim=1)[:, : b - 1]), m)
+
+
 def hint_cost(ctx: ProposalContext, hints: int) -> float:
     """Work of snapping ``hints`` (b-1)-row hints: a batched LU solve and a zero count each."""
     b, m = ctx.batch_size, ctx.rows

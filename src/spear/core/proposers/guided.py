@@ -28,6 +28,7 @@ from spear.core.proposers.base import (
     ProposalContext,
     hint_cost,
     orthogonal_complement,
+    pool_subsets,
 )
 from spear.errors import InputError
 
@@ -134,14 +135,7 @@ class GuidedSampler(DirectionProposer):
             tight,
             negative.repeat_interleave(k),
         )  # (G*k,)
-        noise = torch.rand(order.shape[0] * k, m, generator=ctx.generator).to(Z.device)
-        noise = torch.where(
-            torch.arange(m, device=Z.device)[None, :] < pool[:, None], noise, 2.0
-        )  # only pool slots
-        picks = noise.argsort(dim=1)[:, : b - 1]
-        rows = order.repeat_interleave(k, dim=0).gather(1, picks)
-        subsets = torch.zeros(rows.shape[0], m, dtype=torch.bool, device=Z.device)
-        subsets.scatter_(1, rows, True)
+        subsets = pool_subsets(order.repeat_interleave(k, dim=0), pool, b, m, ctx.generator)
         # plus the whole predicted-inactive set of each guess: when a guess is exact, this set has
         # a one-dimensional kernel even if nearly all its rows are also zero for a similar sample
         # (then few (b-1)-subsets of it work)

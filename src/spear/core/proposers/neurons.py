@@ -27,7 +27,14 @@ from __future__ import annotations
 
 import torch
 
-from spear.core.proposers.base import DirectionProposer, ProposalBatch, ProposalContext, hint_cost
+from spear.core.proposers.base import (
+    DirectionProposer,
+    ProposalBatch,
+    ProposalContext,
+    hint_cost,
+    pool_subsets,
+    rows_to_mask,
+)
 from spear.errors import InputError
 
 #: a virtual sample whose ``|p . s|`` is below this (relative to ``|p| |s|``) has no usable scale
@@ -138,15 +145,10 @@ class NeuronGuidedSampler(DirectionProposer):
             empty = torch.empty(0, b, dtype=ctx.L.dtype, device=ctx.L.device)
             return ProposalBatch(empty, n_drawn=max(1, neurons.numel()), exhausted=self._order.numel() == 0)
         order = Z.argsort(dim=1)[:, : min(m, int(max(self.pool_factors) * b) + 1)]  # most negative first
-        hints = [torch.zeros(Z.shape[0], m, dtype=torch.bool, device=Z.device)]
-        hints[0].scatter_(1, order[:, : b - 1], True)
+        hints = [rows_to_mask(order[:, : b - 1], m)]
         for t in range(self.subsets_per_neuron):
             pool = min(order.shape[1], max(b, int(self.pool_factors[t % len(self.pool_factors)] * b)))
-            picks = torch.rand(Z.shape[0], pool, generator=ctx.generator).to(Z.device).argsort(dim=1)
-            rows = order.gather(1, picks[:, : b - 1])
-            subset = torch.zeros_like(hints[0])
-            subset.scatter_(1, rows, True)
-            hints.append(subset)
+            hints.append(pool_subsets(order, pool, b, m, ctx.generator))
         hint = torch.cat(hints)[: max(1, max_proposals)]
         directions = torch.zeros(hint.shape[0], b, dtype=ctx.L.dtype, device=ctx.L.device)  # hint = kernel
         return ProposalBatch(directions, n_drawn=int(hint.shape[0]), zero_hint=hint)

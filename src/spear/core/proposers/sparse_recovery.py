@@ -23,6 +23,8 @@ from spear.core.proposers.base import (
     ProposalContext,
     hint_cost,
     orthogonal_complement,
+    pool_subsets,
+    rows_to_mask,
 )
 
 
@@ -218,19 +220,13 @@ class SparseRecoveryProposer(DirectionProposer):
         hints, dirs = [], []
         # 1) the near-exact zero set; 2) the b + 1 smallest rows
         near = r <= 1e-7 * r.amax(dim=1, keepdim=True)
-        smallest = torch.zeros_like(near)
-        smallest.scatter_(1, order[:, : min(m, b + 1)], True)
-        hints += [near, smallest]
+        hints += [near, rows_to_mask(order[:, : min(m, b + 1)], m)]
         dirs += [q, q]
         # 3) guided sampling: random (b-1)-subsets of the pool of smallest rows
         pool = max(b + 1, int(self.pool_fraction * m))
         if pool > b - 1 and self.subsets_per_direction > 0:
-            k = q.shape[0] * self.subsets_per_direction
-            picks = torch.rand(k, pool, generator=ctx.generator).to(U.device).argsort(dim=1)[:, : b - 1]
-            rows = order.repeat_interleave(self.subsets_per_direction, dim=0).gather(1, picks)
-            sub = torch.zeros(k, m, dtype=torch.bool, device=U.device)
-            sub.scatter_(1, rows, True)
-            hints.append(sub)
+            repeated = order.repeat_interleave(self.subsets_per_direction, dim=0)
+            hints.append(pool_subsets(repeated, pool, b, m, ctx.generator))
             dirs.append(q.repeat_interleave(self.subsets_per_direction, dim=0))
         hint = torch.cat(hints)
         directions = torch.cat(dirs)

@@ -53,7 +53,7 @@ class AutoProposer(DirectionProposer):
         self._turn = 0
         self._current = 0  # index into the rotation
         self._stalled_work = 0.0  # estimated work of the current proposer's fruitless calls
-        self._last_call: DirectionProposer | None = None  # the rotation's previous call, if last
+        self._last_cost: float | None = None  # estimated work of the rotation's call, if last
 
     def _rotation(self, ctx: ProposalContext) -> list[DirectionProposer]:
         """The proposers in order of cost."""
@@ -77,19 +77,17 @@ class AutoProposer(DirectionProposer):
         self._last_found = found
         sampling_useful = theory.expected_proposals(ctx.batch_size) <= SAMPLING_HOPELESS
         if sampling_useful and self._turn % self.sampling_every == 0:
-            self._last_call = None
+            self._last_cost = None
             return self.sampler.propose(ctx, max_proposals)
+        if self._last_cost is not None:  # judge the rotation's last call, not the sampler's
+            self._stalled_work = 0.0 if progressed else self._stalled_work + self._last_cost
         rotation = self._rotation(ctx)
-        if self._last_call is not None:  # judge the rotation's last call, not the sampler's
-            spent = self._last_call.cost(ctx) + CALL_OVERHEAD
-            self._stalled_work = 0.0 if progressed else self._stalled_work + spent
-        current = rotation[self._current % len(rotation)]
+        costs = [p.cost(ctx) + CALL_OVERHEAD for p in rotation]
         # a stalled proposer keeps the turn until it has spent as much work as one call of the
         # most expensive one: when all stall, each gets the same compute
-        most = max(p.cost(ctx) for p in rotation) + CALL_OVERHEAD
-        if self._stalled_work > 0 and self._stalled_work >= most:
+        if self._stalled_work > 0 and self._stalled_work >= max(costs):
             self._current += 1
             self._stalled_work = 0.0
-            current = rotation[self._current % len(rotation)]
-        self._last_call = current
-        return current.propose(ctx, max_proposals)
+        index = self._current % len(rotation)
+        self._last_cost = costs[index]  # the estimate for this call, before it moves any cursor
+        return rotation[index].propose(ctx, max_proposals)

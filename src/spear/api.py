@@ -81,7 +81,10 @@ def reconstruct(
         grad_bias: dL/db, shape (m,).
         next_grad_weight: optional, the weight gradient of the linear layer that follows the
             ReLU, shape (k, m). Its exact zeros reveal intersections of the samples' activation
-            patterns, which the ``auto`` and ``next_layer`` proposers use for large batches.
+            patterns, which the ``auto`` and ``next_layer`` proposers use for large batches, and
+            its row space lets each found direction be turned into its sample on its own
+            (peeling, :mod:`spear.core.peeling`; ``peel=False`` turns that off): the attack then
+            continues on the smaller problem of the samples not yet recovered.
         **options: see :class:`spear.AttackOptions` (``max_proposals``, ``seed``, ``p_fr``,
             ``time_budget``, ``sparsity``, ``device``, ``progress``, ...).
 

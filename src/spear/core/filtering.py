@@ -45,6 +45,9 @@ def _kernel_of_rows(L: torch.Tensor, rows: torch.Tensor) -> tuple[torch.Tensor, 
     the pool for the greedy selection (which also uses W and b) but are not trusted for
     deflation and guidance.
     """
+    if L.shape[1] == 1:  # one direction (the last sample of a residual problem): nothing to solve
+        ones = torch.ones(rows.shape[0], dtype=torch.bool, device=L.device)
+        return torch.ones(rows.shape[0], 1, dtype=L.dtype, device=L.device), ones, ones
     masked = L.unsqueeze(0) * rows.unsqueeze(-1).to(L.dtype)  # (k, m, b)
     U, S, Vh = torch.linalg.svd(masked, full_matrices=False)
     kernel = Vh[:, -1, :]
@@ -113,6 +116,7 @@ class SnapResult:
     zero_masks: torch.Tensor  # (k, rows) bool
     zero_counts: torch.Tensor  # (k,) int
     robust: torch.Tensor | None = None  # (k,) bool: no essential row (see _kernel_of_rows)
+    certified: torch.Tensor | None = None  # (k,) bool: its sample was peeled (core.peeling)
 
 
 def snap_and_filter(
@@ -193,17 +197,24 @@ class CandidatePool:
     zero_masks: torch.Tensor = field(init=False)
     zero_counts: torch.Tensor = field(init=False)
     robust: torch.Tensor = field(init=False)
+    certified: torch.Tensor = field(init=False)
 
     def __post_init__(self) -> None:
         self.directions = torch.empty(0, self.batch_size, dtype=self.dtype, device=self.device)
         self.zero_masks = torch.empty(0, self.rows, dtype=torch.bool, device=self.device)
         self.zero_counts = torch.empty(0, dtype=torch.long, device=self.device)
         self.robust = torch.empty(0, dtype=torch.bool, device=self.device)
+        self.certified = torch.empty(0, dtype=torch.bool, device=self.device)
+
+    @property
+    def trusted_mask(self) -> torch.Tensor:
+        """Robust (no essential zero row) or certified (its sample was peeled) candidates."""
+        return self.robust | self.certified
 
     @property
     def trusted(self) -> torch.Tensor:
-        """The robust candidates (no essential zero row): what proposers deflate against."""
-        return self.directions[self.robust]
+        """The trusted candidates: what proposers deflate against and guide from."""
+        return self.directions[self.trusted_mask]
 
     def __len__(self) -> int:
         return int(self.directions.shape[0])
@@ -213,13 +224,19 @@ class CandidatePool:
         added = 0
         for i in range(snapped.directions.shape[0]):
             q = snapped.directions[i]
-            if len(self) and (self.directions @ q).abs().max() >= DUPLICATE_COS:
-                continue
+            sure = False if snapped.certified is None else bool(snapped.certified[i])
+            if len(self):
+                cos = (self.directions @ q).abs()
+                j = int(cos.argmax())
+                if float(cos[j]) >= DUPLICATE_COS:
+                    self.certified[j] |= sure
+                    continue
             self.directions = torch.cat([self.directions, q[None]])
             self.zero_masks = torch.cat([self.zero_masks, snapped.zero_masks[i : i + 1]])
             self.zero_counts = torch.cat([self.zero_counts, snapped.zero_counts[i : i + 1]])
             flag = True if snapped.robust is None else bool(snapped.robust[i])
             self.robust = torch.cat([self.robust, torch.tensor([flag], device=self.robust.device)])
+            self.certified = torch.cat([self.certified, torch.tensor([sure], device=self.robust.device)])
             added += 1
         self._bound_untrusted()
         return added
@@ -230,7 +247,7 @@ class CandidatePool:
         (b x candidates score evaluations) the bottleneck; true columns among them are the sparse
         ones (a mixture's zeros are the intersection of its columns' zeros)."""
         limit = self.untrusted_limit if self.untrusted_limit is not None else 2 * self.batch_size
-        untrusted = (~self.robust).nonzero()[:, 0]
+        untrusted = (~self.trusted_mask).nonzero()[:, 0]
         if untrusted.numel() <= limit:
             return
         order = torch.argsort(self.zero_counts[untrusted], descending=True, stable=True)
@@ -239,3 +256,4 @@ class CandidatePool:
         keep[drop] = False
         self.directions, self.zero_masks = self.directions[keep], self.zero_masks[keep]
         self.zero_counts, self.robust = self.zero_counts[keep], self.robust[keep]
+        self.certified = self.certified[keep]

@@ -68,11 +68,17 @@ def score(
     return sigma, valid, c, consistent
 
 
-def sparsest_basis(directions: torch.Tensor, zero_counts: torch.Tensor, b: int) -> list[int] | None:
-    """Stage 1: greedily collect the sparsest candidates that raise the rank (Algorithm 3, l. 2-9).
+def sparsest_basis(
+    directions: torch.Tensor, zero_counts: torch.Tensor, b: int, certified: torch.Tensor | None = None
+) -> list[int] | None:
+    """Stage 1: greedily collect the sparsest candidates that raise the rank (Algorithm 3, l. 2-9),
+    certified candidates (samples peeled exactly, :mod:`spear.core.peeling`) first.
 
     Returns b indices, or None when the candidates span fewer than b dimensions."""
-    order = torch.argsort(zero_counts, descending=True, stable=True).tolist()
+    key = zero_counts.to(torch.float64)
+    if certified is not None and key.numel():
+        key = key + certified.to(torch.float64) * (float(key.max()) + 1.0)
+    order = torch.argsort(key, descending=True, stable=True).tolist()
     basis: list[torch.Tensor] = []
     chosen: list[int] = []
     for i in order:
@@ -102,23 +108,31 @@ def greedy_filter(
     zero_masks: torch.Tensor,
     zero_counts: torch.Tensor,
     max_sweeps: int | None = None,
+    certified: torch.Tensor | None = None,
 ) -> Selection | None:
-    """Algorithm 3: stage 1, then greedy swaps that maximise sigma. None if rank < b."""
+    """Algorithm 3: stage 1, then greedy swaps that maximise sigma. None if rank < b.
+
+    ``certified`` (bool per candidate) marks directions whose samples were recovered and
+    checked one by one (:mod:`spear.core.peeling`): they are selected first and never swapped
+    out, so the swaps only search the remaining positions."""
     b = problem.batch_size
-    chosen = sparsest_basis(directions, zero_counts, b)
+    chosen = sparsest_basis(directions, zero_counts, b, certified)
     if chosen is None:
         return None
     current = torch.tensor(chosen, device=directions.device)
+    if certified is not None:
+        free = (~certified[current]).nonzero()[:, 0]
+    else:
+        free = torch.arange(b, device=directions.device)
     sigma, valid, c, consistent = _score_sets(problem, directions, zero_masks, current[None])
     best_sigma = float(sigma[0])
     n_cand = directions.shape[0]
     sweeps = 0
-    while best_sigma < 1.0 and n_cand > b and (max_sweeps is None or sweeps < max_sweeps):
+    while best_sigma < 1.0 and n_cand > b and free.numel() and (max_sweeps is None or sweeps < max_sweeps):
         sweeps += 1
         outside = torch.tensor(sorted(set(range(n_cand)) - set(current.tolist())), device=directions.device)
-        positions = torch.arange(b, device=directions.device)
-        # every (position in the selection, unselected candidate) swap
-        pos, new = torch.meshgrid(positions, outside, indexing="ij")
+        # every (free position in the selection, unselected candidate) swap
+        pos, new = torch.meshgrid(free, outside, indexing="ij")
         sets = current.expand(pos.numel(), b).clone()
         sets[torch.arange(pos.numel()), pos.reshape(-1)] = new.reshape(-1)
         s_sigma, s_valid, s_c, s_consistent = _score_sets(problem, directions, zero_masks, sets)

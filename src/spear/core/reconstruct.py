@@ -6,20 +6,29 @@ Tensors in, a :class:`Reconstruction` out. Input validation and conversion live 
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
 from spear import theory
-from spear.core.filtering import DEFAULT_ZERO_RTOL, CandidatePool, snap_and_filter, zero_mask
+from spear.core.filtering import DEFAULT_ZERO_RTOL, CandidatePool, SnapResult, snap_and_filter, zero_mask
 from spear.core.greedy import Selection, greedy_filter, score
-from spear.core.lowrank import low_rank_split
+from spear.core.lowrank import default_rank_rtol, low_rank_split
+from spear.core.peeling import (
+    PeeledSamples,
+    SamplePeeler,
+    activation_basis,
+    mutually_consistent,
+    residual_problem,
+)
 from spear.core.proposers import (
     PROPOSERS,
     AutoProposer,
     DirectionProposer,
+    ProposalBatch,
     ProposalContext,
     RandomSubmatrixSampler,
 )
@@ -31,6 +40,9 @@ from spear.errors import InputError, NoSparsityError
 #: before the gradient is declared not ReLU-sparse, and the zero rate that wait assumes
 NO_SPARSITY_PATIENCE = 200
 NO_SPARSITY_ZERO_RATE = 0.3
+#: the attack moves on to the residual problem of the unrecovered samples once this fraction of
+#: them has been peeled since the last move (each move makes the proposers start afresh)
+RESIDUAL_STEP = 0.1
 
 
 @dataclass(frozen=True)
@@ -72,6 +84,8 @@ class AttackOptions:
             small batches; for large ones next-layer zero sets, neuron-guided and
             complement-guided sampling and ICA+IRLS, see :class:`AutoProposer`), "sampling" (the
             paper's Algorithm 1), "irls", "guided", "neurons", "next_layer" (one strategy only).
+        peel: recover samples one at a time through the next layer's weight gradient, when it
+            is given, and continue on the residual problem of the others (:mod:`spear.core.peeling`).
         progress: called with a :class:`ProgressEvent` after every step.
     """
 
@@ -90,6 +104,7 @@ class AttackOptions:
     zero_rtol: float | None = None
     verify_rtol: float | None = None
     proposer: DirectionProposer | str = "auto"
+    peel: bool = True
     progress: Callable[[ProgressEvent], None] | None = field(default=None, compare=False)
 
 
@@ -103,6 +118,7 @@ class AttackStats:
     stop_reason: str  # "sigma=1", "budget", "time budget", "interrupted", "exhausted", "trivial"
     threshold_count: int
     tau: float
+    certified: int = 0  # samples peeled and certified one by one (core.peeling)
 
     def as_dict(self) -> dict:
         return dict(self.__dict__)
@@ -127,6 +143,9 @@ class Reconstruction:
         singular_values: all singular values of dL/dW, to inspect the rank gap.
         stats: proposals, candidates, seconds, seed, stop reason.
         message: a one-line human summary.
+        certified_inputs: (f, n) the samples recovered and certified one at a time through the
+            next layer's gradient (:mod:`spear.core.peeling`), or None. They are exact even when
+            the whole batch was not recovered (then ``inputs`` is None).
     """
 
     inputs: torch.Tensor | None
@@ -142,6 +161,7 @@ class Reconstruction:
     stats: AttackStats
     message: str
     mode: SparsityMode = "output"
+    certified_inputs: torch.Tensor | None = None
 
     def summary(self) -> dict:
         """JSON-ready summary (no tensors)."""
@@ -151,6 +171,7 @@ class Reconstruction:
             "residual": self.residual,
             "sigma": self.sigma,
             "consistent_directions": self.consistent_directions,
+            "certified_samples": 0 if self.certified_inputs is None else int(self.certified_inputs.shape[0]),
             "mode": self.mode,
             "message": self.message,
             "stats": self.stats.as_dict(),
@@ -179,6 +200,41 @@ def make_proposer(spec: DirectionProposer | str, chunk_size: int) -> DirectionPr
     )
 
 
+def _make_peeler(
+    problem: LayerProblem,
+    next_grad_weight: torch.Tensor | None,
+    options: AttackOptions,
+    source_dtype: torch.dtype,
+    rtol: float,
+) -> SamplePeeler | None:
+    """A :class:`SamplePeeler` when peeling is on and the next layer's gradient can certify
+    samples (output sparsity, rank b), else None."""
+    if not options.peel or options.sparsity != "output" or next_grad_weight is None:
+        return None
+    rtol_rank = default_rank_rtol(tuple(next_grad_weight.shape), source_dtype)
+    peeler = SamplePeeler(problem, activation_basis(next_grad_weight, rtol_rank), rtol)
+    return peeler if peeler.usable else None
+
+
+def _lift(snapped: SnapResult, basis: torch.Tensor) -> SnapResult:
+    """Directions of a residual problem (k x b') as directions of the full one (k x b); the
+    zero masks are the same, since ``L B q' = L q``."""
+    q = snapped.directions @ basis.T
+    q = q / q.norm(dim=1, keepdim=True)
+    pivot = q.abs().argmax(dim=1, keepdim=True)
+    q = q * torch.sign(q.gather(1, pivot))
+    return replace(snapped, directions=q)
+
+
+def _residual_found(pool: CandidatePool, basis: torch.Tensor) -> torch.Tensor:
+    """The pool's trusted, not yet peeled directions that belong to the residual problem (they
+    lie in the span of ``basis``), in its coordinates."""
+    q = pool.directions[pool.trusted_mask & ~pool.certified]
+    coords = q @ basis
+    inside = coords.norm(dim=1) >= 1.0 - 1e-9
+    return coords[inside] / coords[inside].norm(dim=1, keepdim=True)
+
+
 def run_attack(
     weight: torch.Tensor,
     bias: torch.Tensor,
@@ -203,6 +259,8 @@ def run_attack(
     threshold = theory.sparsity_threshold_count(rows, options.p_fr)
     proposer = make_proposer(options.proposer, options.chunk_size)
     budget = options.max_proposals if options.max_proposals is not None else default_max_proposals(b)
+    peeler = _make_peeler(problem, next_grad_weight, options, source_dtype, verify_rtol)
+    peeled = PeeledSamples.empty(b, problem.R.shape[1], factor.dtype, factor.device)
 
     def finish(selection: Selection | None, drawn: int, n_cand: int, reason: str) -> Reconstruction:
         stats = AttackStats(
@@ -214,7 +272,9 @@ def run_attack(
             stop_reason=reason,
             threshold_count=threshold,
             tau=threshold / rows,
+            certified=len(peeled),
         )
+        certified_inputs = peeled.inputs if len(peeled) else None
         if selection is None:
             return Reconstruction(
                 inputs=None,
@@ -231,9 +291,11 @@ def run_attack(
                 mode=options.sparsity,
                 message=(
                     f"not recovered: {n_cand} exact candidate direction(s) found, fewer than the "
-                    f"b={b} independent ones needed ({reason} after {drawn:,} proposals); "
-                    "raise max_proposals or time_budget"
+                    f"b={b} independent ones needed ({reason} after {drawn:,} proposals)"
+                    + (f"; {len(peeled)} sample(s) recovered and certified one by one" if len(peeled) else "")
+                    + "; raise max_proposals or time_budget"
                 ),
+                certified_inputs=certified_inputs,
             )
         inputs, grad_outputs = problem.assemble(selection.Qbar, selection.scales)
         check = verify(
@@ -246,6 +308,7 @@ def run_attack(
                 f"unverified: best selection has sigma={selection.sigma:.4f}, "
                 f"{selection.consistent_columns}/{b} directions consistent, residual "
                 f"{check.residual:.1e} > {verify_rtol:g} ({reason} after {drawn:,} proposals)"
+                + (f"; {len(peeled)} sample(s) recovered and certified one by one" if len(peeled) else "")
             )
         return Reconstruction(
             inputs=inputs,
@@ -261,6 +324,7 @@ def run_attack(
             stats=stats,
             message=message,
             mode=options.sparsity,
+            certified_inputs=certified_inputs,
         )
 
     if b == 1:  # one sample: Q is 1 x 1, Theorem 3.6 alone gives the scale
@@ -283,6 +347,9 @@ def run_attack(
         found=pool.directions,
         problem=problem,
     )
+    # what the proposers work on: the whole problem, or the residual one of the samples not
+    # peeled yet, whose directions map back through ``basis`` (b x b_rest)
+    search, basis, peeled_at_move = ctx, None, 0
     best: Selection | None = None
     drawn = 0
     reason = "budget"
@@ -294,16 +361,54 @@ def run_attack(
             if options.time_budget is not None and time.perf_counter() - start >= options.time_budget:
                 reason = "time budget"
                 break
-            batch = proposer.propose(ctx, budget - drawn)
+            if search.batch_size == 1:  # one sample left: its direction is the residual basis
+                batch = ProposalBatch(basis.new_ones(1, 1), n_drawn=1)
+            else:
+                batch = proposer.propose(search, budget - drawn)
             drawn += batch.n_drawn
             snapped = snap_and_filter(
-                factor, batch.directions, batch.zero_hint, threshold, zero_rtol, known_masks=pool.zero_masks
+                search.L, batch.directions, batch.zero_hint, threshold, zero_rtol, known_masks=pool.zero_masks
             )
+            if basis is not None:
+                snapped = _lift(snapped, basis)
+            fresh = None
+            if peeler is not None and snapped.directions.shape[0]:
+                certified, samples = peeler.peel(snapped.directions, snapped.zero_masks)
+                consistent = mutually_consistent(peeled, samples, verify_rtol)
+                certified[certified.nonzero()[:, 0][~consistent]] = False
+                snapped.certified, fresh = certified, samples.select(consistent)
+            known_before = int(pool.trusted_mask.sum())
             added = pool.add(snapped)
-            if added:
-                ctx.found = pool.trusted  # proposers deflate against / guide from robust candidates
-            if added and len(pool) >= b:
-                selection = greedy_filter(problem, pool.directions, pool.zero_masks, pool.zero_counts)
+            if fresh is not None and len(fresh):
+                peeled.extend(fresh)
+            changed = added or int(pool.trusted_mask.sum()) != known_before
+            if changed:
+                ctx.found = pool.trusted  # proposers deflate against / guide from trusted candidates
+                ctx.known = int(pool.trusted_mask.sum())
+            if search.batch_size == 1 and (fresh is None or len(fresh) == 0):
+                search, basis = ctx, None  # the last sample did not certify: back to the whole problem
+                peeler = None
+            elif len(peeled) < b and len(peeled) - peeled_at_move >= max(
+                1, math.ceil(RESIDUAL_STEP * (b - peeled_at_move))
+            ):
+                rest, basis = residual_problem(problem, peeled)
+                search = ProposalContext(
+                    L=rest.L,
+                    batch_size=rest.batch_size,
+                    threshold_count=threshold,
+                    generator=generator,
+                    proposal_dtype=options.proposal_dtype,
+                    found=_residual_found(pool, basis),
+                    problem=rest,
+                    known=ctx.known,
+                )
+                peeled_at_move = len(peeled)
+            elif basis is not None and changed:
+                search.found, search.known = _residual_found(pool, basis), ctx.known
+            if changed and len(pool) >= b:
+                selection = greedy_filter(
+                    problem, pool.directions, pool.zero_masks, pool.zero_counts, certified=pool.certified
+                )
                 if selection is not None and (best is None or selection.sigma >= best.sigma):
                     best = selection
             if options.progress is not None:

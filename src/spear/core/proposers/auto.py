@@ -73,8 +73,9 @@ class AutoProposer(DirectionProposer):
             if guided_ok and self._turn % 4 == 0:
                 return self.guided.propose(ctx, max_proposals)
             return self.sampler.propose(ctx, max_proposals)
-        progressed = found > self._last_found
-        self._last_found = found
+        known = max(found, ctx.known)  # found restarts on a residual problem; known does not
+        progressed = known > self._last_found
+        self._last_found = known
         sampling_useful = theory.expected_proposals(ctx.batch_size) <= SAMPLING_HOPELESS
         if sampling_useful and self._turn % self.sampling_every == 0:
             self._last_cost = None

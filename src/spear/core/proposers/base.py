@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import itertools
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -26,6 +27,11 @@ class ProposalContext:
             deflate or guide (non-robust candidates are left out, see core.filtering).
         problem: the layer (W, b, L, R, dL/db) for proposers that use more than L; all of it is
             what the server sees.
+        known: exact directions the attack holds so far, including those of samples already
+            peeled off (:mod:`spear.core.peeling`); a progress signal for schedulers, since
+            ``found`` restarts when the attack moves on to a residual problem.
+        key: unique per context: proposers cache per-problem state under it (a new context,
+            e.g. a residual problem, is a new problem).
     """
 
     L: torch.Tensor
@@ -35,6 +41,8 @@ class ProposalContext:
     proposal_dtype: torch.dtype
     found: torch.Tensor
     problem: LayerProblem | None = None
+    known: int = 0
+    key: int = field(default_factory=itertools.count().__next__)
 
     @property
     def rows(self) -> int:

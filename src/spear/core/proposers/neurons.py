@@ -81,7 +81,7 @@ class NeuronGuidedSampler(DirectionProposer):
         self._pass = 0
 
     def _prepare(self, ctx: ProposalContext) -> None:
-        if self._key == id(ctx.L):
+        if self._key == ctx.key:
             return
         problem = ctx.problem
         if problem is None or problem.mode != "output" or ctx.L is not problem.L:
@@ -89,7 +89,7 @@ class NeuronGuidedSampler(DirectionProposer):
                 "neuron-guided sampling needs the output-sparsity layer problem (W, b, dL/db): "
                 "use sparsity='output' or another proposer"
             )
-        self._key = id(ctx.L)
+        self._key = ctx.key
         self._gram = ctx.L.T @ ctx.L
         norms = ctx.L.norm(dim=1)
         live = (norms > 1e-12 * norms.max()).nonzero()[:, 0]  # dead neurons carry no sample

@@ -56,7 +56,7 @@ class NextLayerProposer(DirectionProposer):
         self._cursor = 0
 
     def _prepare(self, ctx: ProposalContext) -> None:
-        if self._key == id(ctx.L):
+        if self._key == ctx.key:
             return
         problem = ctx.problem
         if problem is None or problem.mode != "output" or problem.next_grad_weight is None:
@@ -64,7 +64,7 @@ class NextLayerProposer(DirectionProposer):
                 "next-layer hints need the gradient of the next linear layer's weight "
                 "(reconstruct(..., next_grad_weight=...) or attack_layer on a model that has one)"
             )
-        self._key = id(ctx.L)
+        self._key = ctx.key
         G = problem.next_grad_weight.to(ctx.L.dtype).abs()
         zero = ZERO_RTOL * G.amax(dim=1, keepdim=True) >= G
         b = ctx.batch_size

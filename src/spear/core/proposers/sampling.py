@@ -68,7 +68,7 @@ class RandomSubmatrixSampler(DirectionProposer):
         self._L_cast: torch.Tensor | None = None
 
     def _cast(self, ctx: ProposalContext) -> torch.Tensor:
-        key = (id(ctx.L), ctx.proposal_dtype)
+        key = (ctx.key, ctx.proposal_dtype)
         if key != self._cache_key:
             self._L_cast = ctx.L.to(ctx.proposal_dtype)
             self._cache_key = key

@@ -145,9 +145,9 @@ class SparseRecoveryProposer(DirectionProposer):
         return int(min(self.starts_per_call, max(8, self.work_per_call // (m * b * b))))
 
     def _prepare(self, ctx: ProposalContext) -> None:
-        if self._key == id(ctx.L):
+        if self._key == ctx.key:
             return
-        self._key = id(ctx.L)
+        self._key = ctx.key
         self.U, self.T = whiten(ctx.L)
         X = self.U * math.sqrt(self.U.shape[0])  # white: unit variance per coordinate
         self._queue = [

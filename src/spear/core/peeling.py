@@ -1,0 +1,208 @@
+"""Peeling: each found direction gives its sample exactly, and the rest is a smaller SPEAR problem.
+
+SPEAR needs all b directions before Theorem 3.6 and ``X^T = Q^-1 R`` give any input: one column
+of Q says nothing about one row of Q^-1. The next linear layer removes that limit. Its weight
+gradient is ``dL/dW' = (dL/dZ') A^T`` with ``A = ReLU(Z)``, so its row space is spanned by the
+activation vectors ``a_j`` of the attacked layer (when its rank is b). For a found direction
+``q_j`` with exact zero set ``S_j`` (the neurons sample j leaves inactive):
+
+1. ``a_j`` vanishes on ``S_j`` and lies in the row space P of dL/dW': it spans the kernel of
+   ``P[S_j]`` (Theorem 3.3's argument, applied to A instead of dL/dZ).
+2. On the active rows ``a_j = z_j = W x_j + bias``, and ``x_j = R^T r_j`` lies in the row space
+   of dL/dW = L R. So ``W_A R^T r_j - s a_A = -bias_A`` in the unknowns (r_j, s): about m/2
+   equations for b + 1 unknowns. A true direction makes this system consistent to rounding
+   error, and its solution has ``z_j <= 0`` on S_j and ``z_j >= 0`` elsewhere; a mixture of
+   columns or any other wrong direction does not. Each sample is thereby certified on its own.
+3. ``L R = sum_j (L u_j)(R^T r_j)^T`` gives ``sum_j u_j r_j^T = I``, so ``u_j . r_k = delta_jk``:
+   ``u_j = q_j / (q_j . r_j)`` and ``dL/dZ_j = L u_j``, the scale of Theorem 3.6 without the
+   other columns.
+4. The remaining directions satisfy ``q . r_j = 0`` for every peeled j. With B an orthonormal
+   basis of that complement, ``dL/dW - sum_peeled dZ_j x_j^T = (L B)(B^T (I - U_F r_F^T) R)``
+   and ``dL/db - sum_peeled dZ_j`` are the gradients of the unrecovered samples alone: a SPEAR
+   problem with batch size b - f (:func:`residual_problem`), on which random sampling becomes
+   feasible again once few samples are left (Lemma 5.2 at b - f).
+
+Only server-side quantities are used: W, bias, dL/dW, dL/db and the next layer's dL/dW'.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from spear.core.proposers.base import orthogonal_complement
+from spear.core.scale import LayerProblem
+
+#: how many numbers one batched kernel step may hold (directions x rows x b)
+PEEL_CHUNK_ELEMENTS = 2**24
+#: active rows needed beyond the b + 1 unknowns for the system of step 2 to certify anything
+SPARE_EQUATIONS = 8
+
+
+@dataclass
+class PeeledSamples:
+    """Individually recovered samples (step 1-3 above), in the order they were peeled.
+
+    Attributes:
+        directions: (f, b) unit directions q_j (columns of Q up to scale).
+        coefficients: (f, b) r_j with x_j = R^T r_j.
+        inputs: (f, n) the samples x_j.
+        duals: (f, b) u_j = q_j / (q_j . r_j), so that dL/dZ_j = L u_j.
+    """
+
+    directions: torch.Tensor
+    coefficients: torch.Tensor
+    inputs: torch.Tensor
+    duals: torch.Tensor
+
+    @classmethod
+    def empty(cls, b: int, n: int, dtype: torch.dtype, device: torch.device | str) -> PeeledSamples:
+        def zeros(k: int) -> torch.Tensor:
+            return torch.empty(0, k, dtype=dtype, device=device)
+
+        return cls(zeros(b), zeros(b), zeros(n), zeros(b))
+
+    def __len__(self) -> int:
+        return int(self.directions.shape[0])
+
+    def extend(self, other: PeeledSamples) -> None:
+        self.directions = torch.cat([self.directions, other.directions])
+        self.coefficients = torch.cat([self.coefficients, other.coefficients])
+        self.inputs = torch.cat([self.inputs, other.inputs])
+        self.duals = torch.cat([self.duals, other.duals])
+
+    def select(self, keep: torch.Tensor) -> PeeledSamples:
+        return PeeledSamples(
+            self.directions[keep], self.coefficients[keep], self.inputs[keep], self.duals[keep]
+        )
+
+
+def activation_basis(next_grad_weight: torch.Tensor, rank_rtol: float) -> torch.Tensor:
+    """Orthonormal basis (m x rank) of the row space of the next layer's dL/dW' (k x m), which
+    is the span of the attacked layer's activation vectors a_j."""
+    _, S, Vh = torch.linalg.svd(next_grad_weight, full_matrices=False)
+    if S.numel() == 0 or float(S[0]) == 0.0:
+        return Vh[:0].T
+    rank = int((rank_rtol * S[0] < S).sum())
+    return Vh[:rank].T.contiguous()
+
+
+class SamplePeeler:
+    """Recovers single samples from single directions of one layer (steps 1-3 of the module doc).
+
+    Args:
+        problem: the attacked layer, in output-sparsity mode.
+        activations: :func:`activation_basis` of the next layer's weight gradient.
+        rtol: relative residual of step 2's system (and ReLU-pattern slack) up to which a sample
+            is certified; the verification tolerance of the gradient's dtype is the right scale.
+    """
+
+    def __init__(self, problem: LayerProblem, activations: torch.Tensor, rtol: float) -> None:
+        self.problem = problem
+        self.P = activations.to(problem.L.dtype)
+        self.rtol = rtol
+        self.WRt = problem.R_Wt.T  # (m, b): W R^T
+
+    @property
+    def usable(self) -> bool:
+        """Whether the next layer's gradient can certify samples at all (rank b)."""
+        return self.P.shape[1] == self.problem.batch_size
+
+    def _certify(self, directions: torch.Tensor, masks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Steps 1-2 for k directions (k, b) with zero masks (k, m): whether each is certified,
+        and its coefficients r (k, b)."""
+        L, bias, P = self.problem.L, self.problem.bias, self.P
+        b = L.shape[1]
+        zero = masks.to(L.dtype)
+        active = 1.0 - zero
+        # step 1: the kernel of P[S] (rows outside S zeroed: the right singular vectors stay)
+        _, S, Vh = torch.linalg.svd(P.unsqueeze(0) * zero.unsqueeze(-1), full_matrices=False)
+        one_dim = (S[:, -1] <= self.rtol * S[:, 0]) & (S[:, -2] > self.rtol * S[:, 0])
+        a = Vh[:, -1, :] @ P.T  # (k, m): the activation vector's direction
+        # step 2: [W R^T, -a] (r, s) = -bias on the active rows (inactive rows zeroed out)
+        system = torch.cat([self.WRt.expand(a.shape[0], -1, -1), -a.unsqueeze(-1)], dim=2)
+        rhs = (-bias.unsqueeze(0) * active).unsqueeze(-1)
+        solution = torch.linalg.lstsq(system * active.unsqueeze(-1), rhs).solution[:, :, 0]
+        r, s = solution[:, :b], solution[:, b]
+        z = r @ self.WRt.T + bias  # (k, m) pre-activations of the recovered samples
+        activation = s.unsqueeze(-1) * a
+        scale = (activation * active).norm(dim=1).clamp_min(torch.finfo(L.dtype).tiny)
+        residual = ((z - activation) * active).norm(dim=1) / scale
+        # the ReLU pattern: z <= 0 where the column vanishes, z >= 0 where it does not
+        slack = self.rtol * z.abs().amax(dim=1)
+        relu_ok = ((z * zero).amax(dim=1) <= slack) & ((z * active).amin(dim=1) >= -slack)
+        dot = (directions * r).sum(dim=1)
+        ok = one_dim & (residual <= self.rtol) & relu_ok & torch.isfinite(residual)
+        ok &= dot.abs() > self.rtol * r.norm(dim=1)  # u_j = q_j / (q_j . r_j) must exist
+        return ok, r
+
+    def peel(self, directions: torch.Tensor, masks: torch.Tensor) -> tuple[torch.Tensor, PeeledSamples]:
+        """Certify and recover the samples of k exact directions (k, b) with zero masks (k, m).
+
+        Returns (certified (k,) bool, the certified samples in order)."""
+        L, R = self.problem.L, self.problem.R
+        k, b = directions.shape
+        m = L.shape[0]
+        certified = torch.zeros(k, dtype=torch.bool, device=L.device)
+        coefficients = torch.zeros(k, b, dtype=L.dtype, device=L.device)
+        if k and self.usable:
+            zeros = masks.sum(dim=1)
+            # enough equations in step 2, and enough zero rows for a one-dimensional kernel
+            eligible = ((m - zeros >= b + 1 + SPARE_EQUATIONS) & (zeros >= b)).nonzero()[:, 0]
+            for part in eligible.split(max(1, PEEL_CHUNK_ELEMENTS // (m * (b + 1)))):
+                ok, r = self._certify(directions[part].to(L.dtype), masks[part])
+                certified[part], coefficients[part] = ok, r
+        q, r = directions[certified].to(L.dtype), coefficients[certified]
+        samples = PeeledSamples(
+            directions=q, coefficients=r, inputs=r @ R, duals=q / (q * r).sum(dim=1, keepdim=True)
+        )
+        return certified, samples
+
+
+def mutually_consistent(peeled: PeeledSamples, new: PeeledSamples, rtol: float) -> torch.Tensor:
+    """Which of ``new`` keep ``q_j . r_k = 0`` for j != k (step 3) with every sample in
+    ``peeled`` and with the ones of ``new`` accepted before them. True samples always do, so a
+    violation marks a wrong certificate (kept out, however unlikely)."""
+    keep = torch.zeros(len(new), dtype=torch.bool, device=new.directions.device)
+    q_all = torch.cat([peeled.directions, new.directions])
+    r_all = torch.cat([peeled.coefficients, new.coefficients])
+    r_all = r_all / r_all.norm(dim=1, keepdim=True).clamp_min(torch.finfo(r_all.dtype).tiny)
+    cross = (q_all @ r_all.T).abs()  # |q_j . r_k| / |r_k|; rounding error for j != k
+    accepted = list(range(len(peeled)))
+    for i in range(len(new)):
+        j = len(peeled) + i
+        if not accepted or max(float(cross[j, accepted].max()), float(cross[accepted, j].max())) <= rtol:
+            keep[i] = True
+            accepted.append(j)
+    return keep
+
+
+def residual_problem(problem: LayerProblem, peeled: PeeledSamples) -> tuple[LayerProblem, torch.Tensor]:
+    """The SPEAR problem of the samples not yet peeled (step 4), and the basis B (b x (b - f))
+    that maps its directions back: a direction q' of the residual problem is ``B q'`` here."""
+    b = problem.batch_size
+    basis = orthogonal_complement(peeled.coefficients, b)
+    U = peeled.duals.T  # (b, f): dL/dZ_j = L u_j
+    L_rest = problem.L @ basis
+    grad_bias_rest = problem.grad_bias - problem.L @ U.sum(dim=1)
+    R_rest = basis.T @ (problem.R - U @ (peeled.coefficients @ problem.R))
+    residual = LayerProblem(
+        problem.weight,
+        problem.bias,
+        grad_bias_rest,
+        L_rest,
+        R_rest,
+        problem.mode,
+        problem.next_grad_weight,
+    )
+    return residual, basis
+
+
+__all__ = [
+    "PeeledSamples",
+    "SamplePeeler",
+    "activation_basis",
+    "mutually_consistent",
+    "residual_problem",
+]

@@ -1,0 +1,165 @@
+"""Peeling: one direction gives its sample exactly through the next layer, and the rest is a
+smaller SPEAR problem (spear.core.peeling)."""
+
+import pytest
+import torch
+
+import spear
+from spear.core.filtering import zero_mask
+from spear.core.lowrank import low_rank_split
+from spear.core.peeling import (
+    PeeledSamples,
+    SamplePeeler,
+    activation_basis,
+    mutually_consistent,
+    residual_problem,
+)
+from spear.core.scale import LayerProblem
+
+RTOL = 1e-8  # the float64 verification tolerance
+
+
+def _client(b, width, depth=3, seed=0):
+    """An MNIST FedSGD client: the first layer's problem, truth (inputs, dL/dZ) and unit Qt."""
+    from spear.data import load_dataset
+    from spear.fl import fully_connected, simulate_fedsgd
+
+    dataset = load_dataset("mnist")
+    model = fully_connected(dataset.features, width, depth, dataset.classes, seed=seed)
+    view, truth = simulate_fedsgd(model, dataset, b, seed=seed)
+    g = {k: v.detach() for k, v in view.gradients.items()}
+    layer = view.model[0]
+    split = low_rank_split(g["0.weight"])
+    problem = LayerProblem(
+        layer.weight.detach(), layer.bias.detach(), g["0.bias"], split.L, split.R, "output", g["2.weight"]
+    )
+    Z = layer(truth.inputs)
+    loss = torch.nn.functional.cross_entropy(view.model[1:](Z), truth.labels)
+    (dZ,) = torch.autograd.grad(loss, Z)  # (b, m)
+    Qt = torch.linalg.lstsq(split.L, dZ.T).solution
+    return view, problem, truth.inputs.detach(), dZ.detach(), Qt / Qt.norm(dim=0)
+
+
+def _peeler(problem):
+    return SamplePeeler(problem, activation_basis(problem.next_grad_weight, 1e-10), RTOL)
+
+
+def test_each_true_direction_peels_to_its_exact_sample_and_gradient():
+    b = 40
+    _, problem, X, dZ, Qt = _client(b, 400)
+    peeler = _peeler(problem)
+    assert peeler.usable
+    masks = zero_mask((problem.L @ Qt).T, 1e-9)
+    certified, samples = peeler.peel(Qt.T, masks)
+    assert bool(certified.all())
+    # in the order given: sample j from column j alone, without the other b - 1 directions
+    assert torch.allclose(samples.inputs, X, rtol=0, atol=1e-10)
+    assert torch.allclose(problem.L @ samples.duals.T, dZ.T, rtol=0, atol=1e-12 * float(dZ.abs().max()))
+    # the dual relation u_j . r_k = delta_jk behind the scales
+    eye = torch.eye(b, dtype=torch.float64)
+    assert torch.allclose(samples.duals @ samples.coefficients.T, eye, atol=1e-9)
+
+
+def test_mixtures_and_wrong_directions_are_not_certified():
+    b = 40
+    _, problem, _, dZ, Qt = _client(b, 400, seed=1)
+    peeler = _peeler(problem)
+    L = problem.L
+    zeros = dZ.abs() < 1e-14  # (b, m) true zero sets
+    wrong = []
+    for i in range(0, 12, 2):
+        # the kernel of two columns' common zeros plus one row where only column i vanishes:
+        # an exact direction of L[S] that is a mixture, not a column (it passes the zero count)
+        common = zeros[i] & zeros[i + 1]
+        extra = (zeros[i] & ~zeros[i + 1]).nonzero()[:1, 0]
+        rows = torch.cat([common.nonzero()[:, 0], extra])
+        q = torch.linalg.svd(L[rows])[2][-1]
+        wrong.append(q if (Qt.T @ q).abs().max() < 1 - 1e-6 else None)
+        # the plain sum of two columns, with its own (intersection) zero set
+        wrong.append((Qt[:, i] + Qt[:, i + 1]) / (Qt[:, i] + Qt[:, i + 1]).norm())
+    wrong.append(torch.nn.functional.normalize(torch.randn(b, dtype=torch.float64), dim=0))
+    wrong = torch.stack([q for q in wrong if q is not None])
+    masks = zero_mask(wrong @ L.T, 1e-9)
+    certified, samples = peeler.peel(wrong, masks)
+    assert not bool(certified.any()) and len(samples) == 0
+
+
+def test_residual_problem_is_the_gradient_of_the_unpeeled_samples():
+    b = 30
+    _, problem, X, dZ, Qt = _client(b, 300, seed=2)
+    peeler = _peeler(problem)
+    F, rest = torch.arange(0, b, 3), torch.tensor([j for j in range(b) if j % 3])
+    masks = zero_mask((problem.L @ Qt[:, F]).T, 1e-9)
+    certified, samples = peeler.peel(Qt[:, F].T, masks)
+    assert bool(certified.all())
+    residual, basis = residual_problem(problem, samples)
+    assert residual.batch_size == rest.numel() and basis.shape == (b, rest.numel())
+    truth_w = dZ[rest].T @ X[rest]
+    assert torch.allclose(residual.L @ residual.R, truth_w, atol=1e-12 * float(truth_w.abs().max()))
+    assert torch.allclose(residual.grad_bias, dZ[rest].sum(dim=0), atol=1e-15)
+    # the remaining directions live in span(B): sparse directions of the residual factor
+    q_rest = basis.T @ Qt[:, rest]
+    assert torch.allclose(basis @ q_rest, Qt[:, rest], atol=1e-12)
+    assert torch.allclose((residual.L @ q_rest).abs() < 1e-14, (dZ[rest] != 0).logical_not().T)
+
+
+def test_a_duplicate_or_inconsistent_certificate_is_rejected():
+    b = 20
+    _, problem, _, _, Qt = _client(b, 300, seed=3)
+    peeler = _peeler(problem)
+    masks = zero_mask((problem.L @ Qt).T, 1e-9)
+    _, first = peeler.peel(Qt[:, :5].T, masks[:5])
+    _, again = peeler.peel(Qt[:, 3:8].T, masks[3:8])  # columns 3 and 4 are peeled twice
+    keep = mutually_consistent(first, again, RTOL)
+    assert keep.tolist() == [False, False, True, True, True]
+    # a forged certificate: the right direction with another sample's coefficients
+    forged = PeeledSamples(again.directions[2:3], first.coefficients[:1], first.inputs[:1], first.duals[:1])
+    assert mutually_consistent(first, forged, RTOL).tolist() == [False]
+
+
+def test_attack_peels_every_sample_of_a_b64_batch():
+    # every found direction becomes a certified sample, and the final batch is exact too
+    b = 64
+    view, _, X, _, _ = _client(b, 400, seed=4)
+    rec = spear.attack_layer(view.model, "0", view.gradients, seed=4, time_budget=120)
+    assert rec.verified, rec.message
+    assert rec.stats.certified == b and rec.summary()["certified_samples"] == b
+    from tests.conftest import assert_exact
+
+    assert_exact(rec.inputs, X, 1e-8)
+    assert_exact(rec.certified_inputs, X, 1e-8)
+
+
+def test_partial_result_keeps_the_certified_samples():
+    b = 100
+    view, _, X, _, _ = _client(b, 500, seed=1)
+    rec = spear.attack_layer(view.model, "0", view.gradients, seed=1, max_proposals=3000)
+    assert not rec.verified and rec.inputs is None
+    assert 0 < rec.stats.certified < b and "certified one by one" in rec.message
+    # every certified sample is a true one, exactly
+    dist = (rec.certified_inputs[:, None, :] - X[None]).abs().amax(dim=-1)
+    assert float(dist.min(dim=1).values.max()) < 1e-8
+
+
+def test_no_peeling_without_a_usable_next_layer():
+    # depth 2: the next layer is the 10-class output, rank(dL/dW') <= 10 < b
+    b = 16
+    view, *_ = _client(b, 200, depth=2, seed=5)
+    rec = spear.attack_layer(view.model, "0", view.gradients, seed=5)
+    assert rec.verified and rec.stats.certified == 0 and rec.certified_inputs is None
+    _, problem, *_ = _client(b, 200, depth=3, seed=5)
+    rec = spear.reconstruct(
+        problem.weight, problem.bias, problem.L @ problem.R, problem.grad_bias,
+        next_grad_weight=problem.next_grad_weight, peel=False,
+    )  # fmt: skip
+    assert rec.verified and rec.stats.certified == 0
+
+
+@pytest.mark.parametrize("seed", [6])
+def test_peeling_runs_are_deterministic(seed):
+    view, *_ = _client(48, 300, seed=seed)
+    a = spear.attack_layer(view.model, "0", view.gradients, seed=seed)
+    b = spear.attack_layer(view.model, "0", view.gradients, seed=seed)
+    assert a.verified and b.verified
+    assert a.stats.proposals == b.stats.proposals and a.stats.certified == b.stats.certified
+    assert torch.allclose(a.inputs, b.inputs, rtol=0, atol=1e-12)

@@ -61,6 +61,8 @@ class _ProgressDisplay:
             f"{event.proposals:,} proposals | {event.candidates} candidates | "
             f"directions {event.consistent_directions}/{event.batch_size} | sigma {sigma}"
         )
+        if event.certified:
+            info += f" | certified samples {event.certified}/{event.batch_size}"
         if self.task is None:
             self.task = self.progress.add_task("attack", total=event.max_proposals, info=info)
         self.progress.update(self.task, completed=event.proposals, info=info)
@@ -205,6 +207,9 @@ def attack(
     st = record["stats"]
     table.add_row("proposals", f"{st['proposals']:,}")
     table.add_row("candidates", str(st["candidates"]))
+    if st.get("certified"):
+        table.add_row("certified samples", f"{st['certified']}/{record['recovered_batch_size']}")
+        table.add_row("exact samples", str(record["exact_samples"]))
     table.add_row("seconds", f"{st['seconds']:.2f}")
     console.print(table)
     console.print(record["message"])

@@ -56,6 +56,7 @@ class ProgressEvent:
     batch_size: int
     sigma: float | None
     seconds: float
+    certified: int = 0  # samples recovered and certified one by one (core.peeling)
 
 
 @dataclass(frozen=True)
@@ -421,6 +422,7 @@ def run_attack(
                         batch_size=b,
                         sigma=best.sigma if best else None,
                         seconds=time.perf_counter() - start,
+                        certified=len(peeled),
                     )
                 )
             if best is not None and best.perfect and options.early_stop:

@@ -105,7 +105,7 @@ def test_attack_with_each_proposer():
 def test_attack_reports_samples_certified_before_the_batch_is_complete():
     # the budget ends long before all 100 directions are found; the peeled ones are still exact
     args = ["attack", "--batch-size", "100", "--width", "500", "--depth", "3", "--seed", "1"]
-    result = runner.invoke(app, [*args, "--max-proposals", "3000", "--json"])
+    result = runner.invoke(app, [*args, "--max-proposals", "300", "--json"])
     assert result.exit_code == 0, result.output
     payload = json.loads(result.stdout[result.stdout.index("{") :])
     assert payload["verified"] is False and payload["metrics"]["accuracy"] == 0.0

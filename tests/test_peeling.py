@@ -10,7 +10,6 @@ from spear.core.lowrank import low_rank_split
 from spear.core.peeling import (
     PeeledSamples,
     SamplePeeler,
-    activation_basis,
     mutually_consistent,
     residual_problem,
 )
@@ -31,7 +30,14 @@ def _client(b, width, depth=3, seed=0):
     layer = view.model[0]
     split = low_rank_split(g["0.weight"])
     problem = LayerProblem(
-        layer.weight.detach(), layer.bias.detach(), g["0.bias"], split.L, split.R, "output", g["2.weight"]
+        layer.weight.detach(),
+        layer.bias.detach(),
+        g["0.bias"],
+        split.L,
+        split.R,
+        "output",
+        g["2.weight"],
+        view.model[2].weight.detach(),
     )
     Z = layer(truth.inputs)
     loss = torch.nn.functional.cross_entropy(view.model[1:](Z), truth.labels)
@@ -41,7 +47,7 @@ def _client(b, width, depth=3, seed=0):
 
 
 def _peeler(problem):
-    return SamplePeeler(problem, activation_basis(problem.next_grad_weight, 1e-10), RTOL)
+    return SamplePeeler(problem, RTOL, 1e-10)
 
 
 def test_each_true_direction_peels_to_its_exact_sample_and_gradient():
@@ -133,7 +139,7 @@ def test_attack_peels_every_sample_of_a_b64_batch():
 def test_partial_result_keeps_the_certified_samples():
     b = 100
     view, _, X, _, _ = _client(b, 500, seed=1)
-    rec = spear.attack_layer(view.model, "0", view.gradients, seed=1, max_proposals=3000)
+    rec = spear.attack_layer(view.model, "0", view.gradients, seed=1, max_proposals=300)
     assert not rec.verified and rec.inputs is None
     assert 0 < rec.stats.certified < b and "certified one by one" in rec.message
     # every certified sample is a true one, exactly
@@ -163,3 +169,28 @@ def test_peeling_runs_are_deterministic(seed):
     assert a.verified and b.verified
     assert a.stats.proposals == b.stats.proposals and a.stats.certified == b.stats.certified
     assert torch.allclose(a.inputs, b.inputs, rtol=0, atol=1e-12)
+
+
+def test_residual_next_layer_gradient_drops_the_peeled_samples():
+    # step 5: with W' known, the next layer's gradient of the unpeeled samples alone
+    b = 30
+    view, problem, X, _, Qt = _client(b, 300, seed=7)
+    model = view.model.double()
+    peeler = _peeler(problem)
+    F, rest = torch.arange(0, b, 2), torch.arange(1, b, 2)
+    masks = zero_mask((problem.L @ Qt[:, F]).T, 1e-9)
+    certified, samples = peeler.peel(Qt[:, F].T, masks)
+    assert bool(certified.all()) and samples.next_grad_outputs is not None
+    residual, _ = residual_problem(problem, samples)
+    # truth: the next layer's per-sample terms dZ'_j a_j^T, summed over the unpeeled samples
+    A = torch.relu(model[0](X)).detach()  # (b, m)
+    G = problem.next_grad_weight
+    dZ2 = torch.linalg.lstsq(A.T, G.T).solution.T  # G = dZ2 A exactly (A has full rank b)
+    assert torch.allclose(samples.next_grad_outputs, dZ2[:, F].T, atol=1e-12 * float(dZ2.abs().max()))
+    truth = dZ2[:, rest] @ A[rest]
+    assert torch.allclose(residual.next_grad_weight, truth, atol=1e-12 * float(G.abs().max()))
+    # exact zeros of the residual are the intersections over the unpeeled samples only
+    inactive = A[rest] == 0  # (|rest|, m)
+    reached = dZ2[:, rest].abs() > 1e-12 * dZ2.abs().max()  # (k, |rest|); lstsq leaves 1e-18s
+    expected = torch.stack([inactive[reached[k]].all(dim=0) for k in range(G.shape[0])])
+    assert torch.equal(residual.next_grad_weight == 0, expected)

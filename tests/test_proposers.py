@@ -336,14 +336,15 @@ def test_attack_layer_passes_the_next_layer_gradient():
 
 
 def test_next_layer_gradient_only_through_relu():
-    from spear.api import _next_layer_gradient
+    from spear.api import _next_linear
 
     relu = torch.nn.Sequential(torch.nn.Linear(8, 6), torch.nn.ReLU(), torch.nn.Linear(6, 3))
     grads = {"2.weight": torch.ones(3, 6)}
-    assert _next_layer_gradient(relu, "0", relu[0], grads) is grads["2.weight"]
+    layer, grad = _next_linear(relu, "0", relu[0], grads)
+    assert layer is relu[2] and grad is grads["2.weight"]
     sigmoid = torch.nn.Sequential(torch.nn.Linear(8, 6), torch.nn.Sigmoid(), torch.nn.Linear(6, 3))
-    assert _next_layer_gradient(sigmoid, "0", sigmoid[0], grads) is None
-    assert _next_layer_gradient(relu, "2", relu[2], grads) is None  # the last layer has none
+    assert _next_linear(sigmoid, "0", sigmoid[0], grads) is None
+    assert _next_linear(relu, "2", relu[2], grads) is None  # the last layer has none
 
 
 class _Stub(DirectionProposer):

@@ -71,6 +71,7 @@ def reconstruct(
     grad_bias: Any,
     *,
     next_grad_weight: Any = None,
+    next_weight: Any = None,
     **options: Any,
 ) -> Reconstruction:
     """Recover the input batch of a linear layer ``Z = W X + b`` followed by a ReLU.
@@ -85,6 +86,9 @@ def reconstruct(
             its row space lets each found direction be turned into its sample on its own
             (peeling, :mod:`spear.core.peeling`; ``peel=False`` turns that off): the attack then
             continues on the smaller problem of the samples not yet recovered.
+        next_weight: optional, that next layer's weight W', shape (k, m). With it, peeling
+            also removes the recovered samples from ``next_grad_weight``, whose zero sets then
+            get larger (they are intersections over fewer samples).
         **options: see :class:`spear.AttackOptions` (``max_proposals``, ``seed``, ``p_fr``,
             ``time_budget``, ``sparsity``, ``device``, ``progress``, ...).
 
@@ -142,8 +146,19 @@ def reconstruct(
         if not bool(torch.isfinite(next_gw).all()):
             raise InputError("next_grad_weight contains NaN or Inf")
         next_gw = next_gw.to(**cast)
+    next_w = None
+    if next_weight is not None:
+        next_w = _as_tensor("next_weight", next_weight)
+        if next_gw is None or tuple(next_w.shape) != tuple(next_gw.shape):
+            raise InputError(
+                "next_weight must come with next_grad_weight and have its shape (k, m): it is the "
+                f"weight of the layer whose gradient that is; got shape {tuple(next_w.shape)}"
+            )
+        if not bool(torch.isfinite(next_w).all()):
+            raise InputError("next_weight contains NaN or Inf")
+        next_w = next_w.to(**cast)
     return run_attack(
-        W.to(**cast), bvec.to(**cast), GW.to(**cast), Gb.to(**cast), opts, source_dtype, next_gw
+        W.to(**cast), bvec.to(**cast), GW.to(**cast), Gb.to(**cast), opts, source_dtype, next_gw, next_w
     )
 
 
@@ -192,17 +207,21 @@ def attack_layer(
     missing = [k for k in (prefix + "weight", prefix + "bias") if k not in grads]
     if missing:
         raise InputError(f"gradients lack {missing}; available: {sorted(grads)[:10]}")
-    options.setdefault("next_grad_weight", _next_layer_gradient(model, layer, module, grads))
+    if "next_grad_weight" not in options:
+        following = _next_linear(model, layer, module, grads)
+        if following is not None:
+            options["next_grad_weight"] = following[1]
+            options.setdefault("next_weight", following[0].weight)
     return reconstruct(
         module.weight, module.bias, grads[prefix + "weight"], grads[prefix + "bias"], **options
     )
 
 
-def _next_layer_gradient(
+def _next_linear(
     model: torch.nn.Module, layer: str, module: torch.nn.Linear, grads: Mapping[str, Any]
-) -> Any:
-    """The weight gradient of the next ``nn.Linear`` after ``layer`` (in module order) that
-    takes this layer's outputs, if only ReLUs stand between them and the server has it."""
+) -> tuple[torch.nn.Linear, Any] | None:
+    """The next ``nn.Linear`` after ``layer`` (in module order) that takes this layer's outputs
+    and its weight gradient, if only ReLUs stand between them and the server has it."""
     modules = list(model.named_modules())
     after = [name for name, _ in modules].index(layer) + 1
     for name, mod in modules[after:]:
@@ -211,7 +230,7 @@ def _next_layer_gradient(
         if isinstance(mod, torch.nn.Linear):
             key = f"{name}.weight" if name else "weight"
             fits = mod.in_features == module.out_features and key in grads
-            return grads[key] if fits else None
+            return (mod, grads[key]) if fits else None
         if not isinstance(mod, torch.nn.ReLU):
             return None
     return None

@@ -21,6 +21,12 @@ activation vectors ``a_j`` of the attacked layer (when its rank is b). For a fou
    and ``dL/db - sum_peeled dZ_j`` are the gradients of the unrecovered samples alone: a SPEAR
    problem with batch size b - f (:func:`residual_problem`), on which random sampling becomes
    feasible again once few samples are left (Lemma 5.2 at b - f).
+5. When the next layer's weight W' is known too, the next layer's output gradient of a peeled
+   sample follows as well: ``dL/dZ'_j`` lies in the column space of dL/dW' and
+   ``(W'^T dL/dZ'_j)_i = (dL/dZ_j)_i`` on the rows where sample j is active (about m/2
+   equations for b unknowns). Subtracting ``dL/dZ'_j a_j^T`` from dL/dW' leaves the next
+   layer's gradient of the unrecovered samples, whose exact zeros are intersections over fewer
+   samples: the next-layer proposer finds more directions in the residual problem.
 
 Only server-side quantities are used: W, bias, dL/dW, dL/db and the next layer's dL/dW'.
 """
@@ -38,6 +44,9 @@ from spear.core.scale import LayerProblem
 PEEL_CHUNK_ELEMENTS = 2**24
 #: active rows needed beyond the b + 1 unknowns for the system of step 2 to certify anything
 SPARE_EQUATIONS = 8
+#: entries of the residual next-layer gradient below this times its row's original maximum are
+#: rounding errors of exact zeros (step 5)
+NEXT_ZERO_RTOL = 1e-11
 
 
 @dataclass
@@ -49,19 +58,24 @@ class PeeledSamples:
         coefficients: (f, b) r_j with x_j = R^T r_j.
         inputs: (f, n) the samples x_j.
         duals: (f, b) u_j = q_j / (q_j . r_j), so that dL/dZ_j = L u_j.
+        next_grad_outputs: (f, k) the next layer's dL/dZ'_j (step 5), or None when the next
+            layer's weight is unknown; a row of zeros where it was not determined.
     """
 
     directions: torch.Tensor
     coefficients: torch.Tensor
     inputs: torch.Tensor
     duals: torch.Tensor
+    next_grad_outputs: torch.Tensor | None = None
 
     @classmethod
-    def empty(cls, b: int, n: int, dtype: torch.dtype, device: torch.device | str) -> PeeledSamples:
+    def empty(
+        cls, b: int, n: int, dtype: torch.dtype, device: torch.device | str, next_width: int | None = None
+    ) -> PeeledSamples:
         def zeros(k: int) -> torch.Tensor:
             return torch.empty(0, k, dtype=dtype, device=device)
 
-        return cls(zeros(b), zeros(b), zeros(n), zeros(b))
+        return cls(zeros(b), zeros(b), zeros(n), zeros(b), None if next_width is None else zeros(next_width))
 
     def __len__(self) -> int:
         return int(self.directions.shape[0])
@@ -71,38 +85,42 @@ class PeeledSamples:
         self.coefficients = torch.cat([self.coefficients, other.coefficients])
         self.inputs = torch.cat([self.inputs, other.inputs])
         self.duals = torch.cat([self.duals, other.duals])
+        if self.next_grad_outputs is not None and other.next_grad_outputs is not None:
+            self.next_grad_outputs = torch.cat([self.next_grad_outputs, other.next_grad_outputs])
 
     def select(self, keep: torch.Tensor) -> PeeledSamples:
+        nxt = None if self.next_grad_outputs is None else self.next_grad_outputs[keep]
         return PeeledSamples(
-            self.directions[keep], self.coefficients[keep], self.inputs[keep], self.duals[keep]
+            self.directions[keep], self.coefficients[keep], self.inputs[keep], self.duals[keep], nxt
         )
 
 
-def activation_basis(next_grad_weight: torch.Tensor, rank_rtol: float) -> torch.Tensor:
-    """Orthonormal basis (m x rank) of the row space of the next layer's dL/dW' (k x m), which
-    is the span of the attacked layer's activation vectors a_j."""
-    _, S, Vh = torch.linalg.svd(next_grad_weight, full_matrices=False)
-    if S.numel() == 0 or float(S[0]) == 0.0:
-        return Vh[:0].T
-    rank = int((rank_rtol * S[0] < S).sum())
-    return Vh[:rank].T.contiguous()
-
-
 class SamplePeeler:
-    """Recovers single samples from single directions of one layer (steps 1-3 of the module doc).
+    """Recovers single samples from single directions of one layer (steps 1-3 and 5 of the
+    module doc).
 
     Args:
-        problem: the attacked layer, in output-sparsity mode.
-        activations: :func:`activation_basis` of the next layer's weight gradient.
+        problem: the attacked layer, in output-sparsity mode, with ``next_grad_weight`` (and
+            optionally ``next_weight`` for step 5).
         rtol: relative residual of step 2's system (and ReLU-pattern slack) up to which a sample
             is certified; the verification tolerance of the gradient's dtype is the right scale.
+        rank_rtol: relative singular value below which the next layer's gradient has no rank.
     """
 
-    def __init__(self, problem: LayerProblem, activations: torch.Tensor, rtol: float) -> None:
+    def __init__(self, problem: LayerProblem, rtol: float, rank_rtol: float) -> None:
+        if problem.next_grad_weight is None:
+            raise ValueError("peeling needs the next layer's weight gradient")
         self.problem = problem
-        self.P = activations.to(problem.L.dtype)
         self.rtol = rtol
         self.WRt = problem.R_Wt.T  # (m, b): W R^T
+        G = problem.next_grad_weight.to(problem.L.dtype)
+        U, S, Vh = torch.linalg.svd(G, full_matrices=False)
+        rank = int((rank_rtol * S[0] < S).sum()) if S.numel() and float(S[0]) > 0 else 0
+        #: (m, rank) orthonormal basis of the row space of dL/dW': the span of the a_j
+        self.P = Vh[:rank].T.contiguous()
+        #: step 5: dL/dZ'_j = U2 w_j, and W'^T U2 maps w_j to the attacked layer's rows
+        self.U2 = U[:, :rank]
+        self.back = None if problem.next_weight is None else problem.next_weight.to(G.dtype).T @ self.U2
 
     @property
     def usable(self) -> bool:
@@ -154,10 +172,32 @@ class SamplePeeler:
                 ok, r = self._certify(directions[part].to(L.dtype), masks[part])
                 certified[part], coefficients[part] = ok, r
         q, r = directions[certified].to(L.dtype), coefficients[certified]
+        duals = q / (q * r).sum(dim=1, keepdim=True)
+        nxt = None if self.back is None else self._next_grad_outputs(duals, ~masks[certified])
         samples = PeeledSamples(
-            directions=q, coefficients=r, inputs=r @ R, duals=q / (q * r).sum(dim=1, keepdim=True)
+            directions=q, coefficients=r, inputs=r @ R, duals=duals, next_grad_outputs=nxt
         )
         return certified, samples
+
+    def _next_grad_outputs(self, duals: torch.Tensor, active: torch.Tensor) -> torch.Tensor:
+        """Step 5: dL/dZ'_j (f, k) of certified samples from ``(W'^T U2 w)_A = (dL/dZ_j)_A`` on
+        their active rows A; a zero row where that system is not consistent (e.g. another
+        module stands between the two layers)."""
+        assert self.back is not None
+        L = self.problem.L
+        f, m, r = duals.shape[0], L.shape[0], self.back.shape[1]
+        out = torch.zeros(f, self.U2.shape[0], dtype=L.dtype, device=L.device)
+        if f == 0 or r == 0:
+            return out
+        for part in torch.arange(f, device=L.device).split(max(1, PEEL_CHUNK_ELEMENTS // (m * r))):
+            act = active[part].to(L.dtype)
+            grad = (duals[part] @ L.T) * act  # dL/dZ_j on the active rows, (p, m)
+            system = self.back.unsqueeze(0) * act.unsqueeze(-1)
+            w = torch.linalg.lstsq(system, grad.unsqueeze(-1)).solution[:, :, 0]  # (p, r)
+            misfit = (system @ w.unsqueeze(-1))[:, :, 0] - grad
+            ok = misfit.norm(dim=1) <= self.rtol * grad.norm(dim=1)
+            out[part] = torch.where(ok.unsqueeze(-1), w @ self.U2.T, torch.zeros_like(out[part]))
+        return out
 
 
 def mutually_consistent(peeled: PeeledSamples, new: PeeledSamples, rtol: float) -> torch.Tensor:
@@ -187,6 +227,16 @@ def residual_problem(problem: LayerProblem, peeled: PeeledSamples) -> tuple[Laye
     L_rest = problem.L @ basis
     grad_bias_rest = problem.grad_bias - problem.L @ U.sum(dim=1)
     R_rest = basis.T @ (problem.R - U @ (peeled.coefficients @ problem.R))
+    next_rest = problem.next_grad_weight
+    if next_rest is not None and peeled.next_grad_outputs is not None and len(peeled):
+        # step 5: the next layer's gradient without the peeled samples' terms dZ'_j a_j^T
+        activations = torch.relu(peeled.inputs @ problem.weight.T + problem.bias)  # (f, m)
+        terms = peeled.next_grad_outputs
+        # rounding scale of each entry: the row's size, and the subtracted terms' (dZ'_j is
+        # solved to a relative error of its largest entry, so even a dead row gets 1e-18s)
+        scale = next_rest.abs().amax(dim=1, keepdim=True) + terms.abs().amax(dim=1) @ activations
+        next_rest = next_rest - terms.T @ activations
+        next_rest = torch.where(next_rest.abs() <= NEXT_ZERO_RTOL * scale, 0.0, next_rest)
     residual = LayerProblem(
         problem.weight,
         problem.bias,
@@ -194,7 +244,8 @@ def residual_problem(problem: LayerProblem, peeled: PeeledSamples) -> tuple[Laye
         L_rest,
         R_rest,
         problem.mode,
-        problem.next_grad_weight,
+        next_rest,
+        problem.next_weight,
     )
     return residual, basis
 
@@ -202,7 +253,6 @@ def residual_problem(problem: LayerProblem, peeled: PeeledSamples) -> tuple[Laye
 __all__ = [
     "PeeledSamples",
     "SamplePeeler",
-    "activation_basis",
     "mutually_consistent",
     "residual_problem",
 ]

@@ -20,7 +20,6 @@ from spear.core.lowrank import default_rank_rtol, low_rank_split
 from spear.core.peeling import (
     PeeledSamples,
     SamplePeeler,
-    activation_basis,
     mutually_consistent,
     residual_problem,
 )
@@ -213,7 +212,7 @@ def _make_peeler(
     if not options.peel or options.sparsity != "output" or next_grad_weight is None:
         return None
     rtol_rank = default_rank_rtol(tuple(next_grad_weight.shape), source_dtype)
-    peeler = SamplePeeler(problem, activation_basis(next_grad_weight, rtol_rank), rtol)
+    peeler = SamplePeeler(problem, rtol, rtol_rank)
     return peeler if peeler.usable else None
 
 
@@ -244,15 +243,19 @@ def run_attack(
     options: AttackOptions,
     source_dtype: torch.dtype,
     next_grad_weight: torch.Tensor | None = None,
+    next_weight: torch.Tensor | None = None,
 ) -> Reconstruction:
     """Run SPEAR on validated float tensors (all in ``options.dtype`` on ``options.device``);
-    ``next_grad_weight`` (the next linear layer's dL/dW', optional) feeds the next-layer proposer."""
+    ``next_grad_weight`` (the next linear layer's dL/dW', optional) feeds the next-layer proposer
+    and peeling; ``next_weight`` (its W', optional) peeling's residual next-layer gradient."""
     start = time.perf_counter()
     split = low_rank_split(
         grad_weight, batch_size=options.batch_size, rank_rtol=options.rank_rtol, source_dtype=source_dtype
     )
     b = split.batch_size
-    problem = LayerProblem(weight, bias, grad_bias, split.L, split.R, options.sparsity, next_grad_weight)
+    problem = LayerProblem(
+        weight, bias, grad_bias, split.L, split.R, options.sparsity, next_grad_weight, next_weight
+    )
     factor = problem.sparse_factor
     rows = factor.shape[0]
     zero_rtol = options.zero_rtol or DEFAULT_ZERO_RTOL.get(source_dtype, 1e-4)
@@ -261,7 +264,13 @@ def run_attack(
     proposer = make_proposer(options.proposer, options.chunk_size)
     budget = options.max_proposals if options.max_proposals is not None else default_max_proposals(b)
     peeler = _make_peeler(problem, next_grad_weight, options, source_dtype, verify_rtol)
-    peeled = PeeledSamples.empty(b, problem.R.shape[1], factor.dtype, factor.device)
+    peeled = PeeledSamples.empty(
+        b,
+        problem.R.shape[1],
+        factor.dtype,
+        factor.device,
+        None if peeler is None or peeler.back is None else peeler.U2.shape[0],
+    )
 
     def finish(selection: Selection | None, drawn: int, n_cand: int, reason: str) -> Reconstruction:
         stats = AttackStats(

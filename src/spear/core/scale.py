@@ -31,6 +31,7 @@ class LayerProblem:
         L, R: the low-rank split of dL/dW (m x b, b x n).
         mode: which side of the layer is ReLU-sparse.
         next_grad_weight: the next linear layer's weight gradient, when the server has it.
+        next_weight: the next linear layer's weight, when known.
     """
 
     weight: torch.Tensor
@@ -42,6 +43,8 @@ class LayerProblem:
     #: optional: dL/dW' of the next linear layer (k x m), whose exact zeros are intersections of
     #: the samples' ReLU patterns (used by the next-layer proposer only)
     next_grad_weight: torch.Tensor | None = None
+    #: optional: W' of that next layer (k x m), for peeling's step 5 (spear.core.peeling)
+    next_weight: torch.Tensor | None = None
     #: derived: L^+ dL/db (any left inverse works, Theorem 3.6) and R W^T, reused by every score
     pinv_grad_bias: torch.Tensor = field(init=False, repr=False)
     R_Wt: torch.Tensor = field(init=False, repr=False)

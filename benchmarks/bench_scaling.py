@@ -6,6 +6,10 @@ reconstruction is verified and every sample matches the truth to 1e-6 after Hung
 Each attack has a time budget of ``--time-budget * max(1, (b / 100)^2)`` seconds; a batch not
 finished within it counts as a failure.
 
+A proposer name ending in ``-no-peel`` (e.g. ``auto-no-peel``) runs that proposer with peeling
+off (``peel=False``: no sample is recovered before all b directions are found, and no residual
+problem), to show what peeling adds.
+
 Per (proposer, m) line, batch sizes run in increasing order, and a line stops at the first b
 where the first ``--stop-after`` seeds all fail (the larger b are reported as not run, not as
 measured failures). The paper's random sampler is measured by bench_sampling.py; here it is the
@@ -32,6 +36,8 @@ from spear.data import load_dataset
 
 #: sampler throughput used for the Lemma 5.2 time estimate when sampling.json is missing
 DEFAULT_SAMPLER_RATE = 3.0e5
+#: proposer-name suffix that turns peeling off
+NO_PEEL = "-no-peel"
 
 
 def sampler_rate(path: str = "benchmarks/results/sampling.json") -> float:
@@ -116,7 +122,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--batch-sizes", type=int, nargs="+", default=[20, 32, 50, 64, 100, 128, 200, 256])
     ap.add_argument("--widths", type=int, nargs="+", default=[200, 500, 1000, 2000])
-    ap.add_argument("--proposers", nargs="+", default=["auto", "neurons", "irls"])
+    ap.add_argument("--proposers", nargs="+", default=["auto", "auto-no-peel", "neurons", "irls"])
     ap.add_argument("--seeds", type=int, default=3)
     ap.add_argument("--first-seed", type=int, default=0, help="seeds run are first-seed, first-seed+1, ...")
     ap.add_argument("--stop-after", type=int, default=1, help="failed first seeds that end a line")
@@ -159,7 +165,14 @@ def main() -> None:
                 else:
                     for seed in range(args.first_seed, args.first_seed + args.seeds):
                         rec, ok = attack_batch(
-                            dataset, m, b, args.depth, seed, proposer=proposer, time_budget=row["time_budget"]
+                            dataset,
+                            m,
+                            b,
+                            args.depth,
+                            seed,
+                            proposer=proposer.removesuffix(NO_PEEL),
+                            peel=not proposer.endswith(NO_PEEL),
+                            time_budget=row["time_budget"],
                         )
                         row["runs"].append(
                             {
@@ -168,6 +181,7 @@ def main() -> None:
                                 "seconds": rec.stats.seconds,
                                 "proposals": rec.stats.proposals,
                                 "candidates": rec.stats.candidates,
+                                "certified": rec.stats.certified,
                                 "consistent_directions": rec.consistent_directions,
                                 "stop_reason": rec.stats.stop_reason,
                             }

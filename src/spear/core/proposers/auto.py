@@ -34,6 +34,11 @@ class AutoProposer(DirectionProposer):
       In input-sparsity mode only IRLS and the sampler apply (the guided proposers need W, b on
       the output side).
 
+    With peeling (:mod:`spear.core.peeling`) the attack hands it residual problems of the
+    samples not yet recovered; the rules above then apply to their smaller batch size, so the
+    last samples go to the random sampler. Progress is judged by ``ctx.known``, which counts
+    the directions of the whole attack.
+
     The schedule depends only on what was found, never on timing, so runs are reproducible.
     """
 

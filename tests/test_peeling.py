@@ -3,6 +3,7 @@ smaller SPEAR problem (spear.core.peeling)."""
 
 import pytest
 import torch
+from tests.conftest import assert_exact
 
 import spear
 from spear.core.filtering import zero_mask
@@ -13,6 +14,7 @@ from spear.core.peeling import (
     mutually_consistent,
     residual_problem,
 )
+from spear.core.proposers import DirectionProposer, ProposalBatch
 from spear.core.scale import LayerProblem
 
 RTOL = 1e-8  # the float64 verification tolerance
@@ -130,8 +132,6 @@ def test_attack_peels_every_sample_of_a_b64_batch():
     rec = spear.attack_layer(view.model, "0", view.gradients, seed=4, time_budget=120)
     assert rec.verified, rec.message
     assert rec.stats.certified == b and rec.summary()["certified_samples"] == b
-    from tests.conftest import assert_exact
-
     assert_exact(rec.inputs, X, 1e-8)
     assert_exact(rec.certified_inputs, X, 1e-8)
 
@@ -194,3 +194,30 @@ def test_residual_next_layer_gradient_drops_the_peeled_samples():
     reached = dZ2[:, rest].abs() > 1e-12 * dZ2.abs().max()  # (k, |rest|); lstsq leaves 1e-18s
     expected = torch.stack([inactive[reached[k]].all(dim=0) for k in range(G.shape[0])])
     assert torch.equal(residual.next_grad_weight == 0, expected)
+
+
+class _Oracle(DirectionProposer):
+    """Proposes the given directions once, then nothing (counts its calls)."""
+
+    name = "oracle"
+
+    def __init__(self, directions):
+        self.directions, self.calls = directions, 0
+
+    def propose(self, ctx, max_proposals):
+        self.calls += 1
+        first = self.calls == 1 and ctx.batch_size == self.directions.shape[1]
+        directions = self.directions if first else ctx.L.new_empty(0, ctx.batch_size)
+        return ProposalBatch(directions, n_drawn=max(1, directions.shape[0]))
+
+
+def test_the_last_sample_comes_from_the_residual_basis_alone():
+    # b - 1 true directions peel to b - 1 samples; the residual problem then has batch size 1,
+    # its only direction is the basis vector, and no proposer is asked for it
+    b = 24
+    view, _, X, _, Qt = _client(b, 300, seed=8)
+    oracle = _Oracle(Qt[:, 1:].T.contiguous())
+    rec = spear.attack_layer(view.model, "0", view.gradients, proposer=oracle, max_proposals=10_000)
+    assert rec.verified and rec.stats.certified == b, rec.message
+    assert oracle.calls == 1
+    assert_exact(rec.inputs, X, 1e-8)

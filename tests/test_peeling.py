@@ -221,3 +221,22 @@ def test_the_last_sample_comes_from_the_residual_basis_alone():
     assert rec.verified and rec.stats.certified == b, rec.message
     assert oracle.calls == 1
     assert_exact(rec.inputs, X, 1e-8)
+
+
+def test_greedy_selects_certified_directions_first_and_never_swaps_them_out():
+    from spear.core.greedy import greedy_filter
+
+    b = 12
+    _, problem, _, _, Qt = _client(b, 200, seed=9)
+    wrong = torch.nn.functional.normalize(Qt[:, 0] + Qt[:, 1], dim=0)
+    directions = torch.cat([Qt.T, wrong[None]])
+    masks = zero_mask(directions @ problem.L.T, 1e-9)
+    counts = masks.sum(dim=1)
+    free = greedy_filter(problem, directions, masks, counts)
+    assert free.perfect and b not in free.indices  # the mixture (fewer zeros) is left out
+    # marked certified (as if peeled), it is selected first and no swap may drop it, although
+    # dropping it would give sigma = 1
+    certified = torch.zeros(b + 1, dtype=torch.bool)
+    certified[b] = True
+    fixed = greedy_filter(problem, directions, masks, counts, certified=certified)
+    assert b in fixed.indices and not fixed.perfect

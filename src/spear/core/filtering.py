@@ -31,6 +31,12 @@ def zero_mask(values: torch.Tensor, zero_rtol: float) -> torch.Tensor:
     return magnitude <= magnitude.amax(dim=-1, keepdim=True) * zero_rtol
 
 
+def canonical_sign(q: torch.Tensor) -> torch.Tensor:
+    """Directions (k x b) with their largest-magnitude entry made positive."""
+    pivot = q.abs().argmax(dim=1, keepdim=True)
+    return q * torch.sign(q.gather(1, pivot))
+
+
 def _kernel_of_rows(L: torch.Tensor, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Smallest right singular vector of ``L[rows_i]`` for each mask ``rows_i`` (k x m), whether
     that kernel is one-dimensional, and whether it is *robust*. Masked-out rows are zeroed, which
@@ -178,10 +184,7 @@ def snap_and_filter(
     q, rows, robust = q[keep], rows[keep], robust[keep]
     if q.shape[0] == 0:
         return empty
-    # canonical sign: the largest-magnitude entry is positive
-    pivot = q.abs().argmax(dim=1, keepdim=True)
-    q = q * torch.sign(q.gather(1, pivot))
-    return SnapResult(q, rows, rows.sum(dim=1), robust)
+    return SnapResult(canonical_sign(q), rows, rows.sum(dim=1), robust)
 
 
 @dataclass

@@ -14,7 +14,14 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from spear import theory
-from spear.core.filtering import DEFAULT_ZERO_RTOL, CandidatePool, SnapResult, snap_and_filter, zero_mask
+from spear.core.filtering import (
+    DEFAULT_ZERO_RTOL,
+    CandidatePool,
+    SnapResult,
+    canonical_sign,
+    snap_and_filter,
+    zero_mask,
+)
 from spear.core.greedy import Selection, greedy_filter, score
 from spear.core.lowrank import default_rank_rtol, low_rank_split
 from spear.core.peeling import (
@@ -201,17 +208,13 @@ def make_proposer(spec: DirectionProposer | str, chunk_size: int) -> DirectionPr
 
 
 def _make_peeler(
-    problem: LayerProblem,
-    next_grad_weight: torch.Tensor | None,
-    options: AttackOptions,
-    source_dtype: torch.dtype,
-    rtol: float,
+    problem: LayerProblem, options: AttackOptions, source_dtype: torch.dtype, rtol: float
 ) -> SamplePeeler | None:
     """A :class:`SamplePeeler` when peeling is on and the next layer's gradient can certify
     samples (output sparsity, rank b), else None."""
-    if not options.peel or options.sparsity != "output" or next_grad_weight is None:
+    if not options.peel or options.sparsity != "output" or problem.next_grad_weight is None:
         return None
-    rtol_rank = default_rank_rtol(tuple(next_grad_weight.shape), source_dtype)
+    rtol_rank = default_rank_rtol(tuple(problem.next_grad_weight.shape), source_dtype)
     peeler = SamplePeeler(problem, rtol, rtol_rank)
     return peeler if peeler.usable else None
 
@@ -220,10 +223,7 @@ def _lift(snapped: SnapResult, basis: torch.Tensor) -> SnapResult:
     """Directions of a residual problem (k x b') as directions of the full one (k x b); the
     zero masks are the same, since ``L B q' = L q``."""
     q = snapped.directions @ basis.T
-    q = q / q.norm(dim=1, keepdim=True)
-    pivot = q.abs().argmax(dim=1, keepdim=True)
-    q = q * torch.sign(q.gather(1, pivot))
-    return replace(snapped, directions=q)
+    return replace(snapped, directions=canonical_sign(q / q.norm(dim=1, keepdim=True)))
 
 
 def _residual_found(pool: CandidatePool, basis: torch.Tensor) -> torch.Tensor:
@@ -263,7 +263,7 @@ def run_attack(
     threshold = theory.sparsity_threshold_count(rows, options.p_fr)
     proposer = make_proposer(options.proposer, options.chunk_size)
     budget = options.max_proposals if options.max_proposals is not None else default_max_proposals(b)
-    peeler = _make_peeler(problem, next_grad_weight, options, source_dtype, verify_rtol)
+    peeler = _make_peeler(problem, options, source_dtype, verify_rtol)
     peeled = PeeledSamples.empty(
         b,
         problem.R.shape[1],
@@ -285,6 +285,7 @@ def run_attack(
             certified=len(peeled),
         )
         certified_inputs = peeled.inputs if len(peeled) else None
+        peeled_note = f"; {len(peeled)} sample(s) recovered and certified one by one" if len(peeled) else ""
         if selection is None:
             return Reconstruction(
                 inputs=None,
@@ -302,8 +303,7 @@ def run_attack(
                 message=(
                     f"not recovered: {n_cand} exact candidate direction(s) found, fewer than the "
                     f"b={b} independent ones needed ({reason} after {drawn:,} proposals)"
-                    + (f"; {len(peeled)} sample(s) recovered and certified one by one" if len(peeled) else "")
-                    + "; raise max_proposals or time_budget"
+                    f"{peeled_note}; raise max_proposals or time_budget"
                 ),
                 certified_inputs=certified_inputs,
             )
@@ -318,7 +318,7 @@ def run_attack(
                 f"unverified: best selection has sigma={selection.sigma:.4f}, "
                 f"{selection.consistent_columns}/{b} directions consistent, residual "
                 f"{check.residual:.1e} > {verify_rtol:g} ({reason} after {drawn:,} proposals)"
-                + (f"; {len(peeled)} sample(s) recovered and certified one by one" if len(peeled) else "")
+                f"{peeled_note}"
             )
         return Reconstruction(
             inputs=inputs,

@@ -17,7 +17,7 @@ import torch
 import spear
 from spear.data import load_dataset
 from spear.fl import fully_connected, pretrain, simulate_fedsgd
-from spear.metrics import evaluate_batch
+from spear.metrics import batch_exact, evaluate_batch, match_samples
 
 
 @dataclass(frozen=True)
@@ -65,9 +65,9 @@ def _exact_certified(dataset, certified: torch.Tensor | None, truth: torch.Tenso
     """How many individually certified samples equal a true one (every pixel within 1e-6)."""
     if certified is None:
         return 0
-    estimate = dataset.denormalize(certified.cpu().to(truth.dtype)).clamp(0, 1).flatten(1)
-    gap = (estimate[:, None, :] - truth.flatten(1)[None]).abs().amax(dim=-1)  # (f, b)
-    return int((gap.min(dim=1).values <= 1e-6).sum())
+    estimate = dataset.denormalize(certified.cpu().to(truth.dtype)).clamp(0, 1).reshape(-1, *truth.shape[1:])
+    est, ref = match_samples(estimate, truth)
+    return int(batch_exact(estimate[est], truth[ref]).sum())
 
 
 def run_experiment(settings: ExperimentSettings, progress=None) -> ExperimentResult:

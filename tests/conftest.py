@@ -9,6 +9,8 @@ import pytest
 import torch
 from scipy.optimize import linear_sum_assignment
 
+from spear.core.proposers import DirectionProposer, ProposalBatch
+
 
 @dataclass
 class Client:
@@ -84,6 +86,29 @@ def assert_exact(estimate: torch.Tensor, truth: torch.Tensor, rtol: float = 1e-6
     r, c = match_rows(estimate, truth)
     err = (estimate[r] - truth[c]).abs().max() / truth.abs().max()
     assert err <= rtol, f"relative error {err:.3g} > {rtol}"
+
+
+class TrueColumns(DirectionProposer):
+    """An oracle proposer (tests only): the true directions of the chosen columns of dL/dZ,
+    once, in the coordinates of whatever factor the attack searches (its live rows), then
+    nothing. Counts its calls."""
+
+    name = "oracle"
+
+    def __init__(self, grad_z: torch.Tensor, columns) -> None:
+        self.grad_z = grad_z  # (m, b) the true dL/dZ, full width
+        self.columns = list(columns)
+        self.calls = 0
+
+    def propose(self, ctx, max_proposals):
+        self.calls += 1
+        live = self.grad_z.abs().sum(dim=1) > 0
+        b = ctx.batch_size
+        directions = ctx.L.new_empty(0, b)
+        if self.calls == 1 and b == self.grad_z.shape[1] and int(live.sum()) == ctx.L.shape[0]:
+            q = torch.linalg.lstsq(ctx.L, self.grad_z[live][:, self.columns].to(ctx.L.dtype)).solution
+            directions = (q / q.norm(dim=0)).T.contiguous()
+        return ProposalBatch(directions, n_drawn=max(1, directions.shape[0]))
 
 
 @pytest.fixture

@@ -3,7 +3,7 @@ smaller SPEAR problem (spear.core.peeling)."""
 
 import pytest
 import torch
-from tests.conftest import assert_exact
+from tests.conftest import TrueColumns, assert_exact
 
 import spear
 from spear.core.filtering import zero_mask
@@ -14,7 +14,6 @@ from spear.core.peeling import (
     mutually_consistent,
     residual_problem,
 )
-from spear.core.proposers import DirectionProposer, ProposalBatch
 from spear.core.scale import LayerProblem
 
 RTOL = 1e-8  # the float64 verification tolerance
@@ -52,13 +51,20 @@ def _peeler(problem):
     return SamplePeeler(problem, RTOL, 1e-10)
 
 
+def _peel(peeler, directions, masks):
+    """(robustly certified (k,) bool, the samples of the consistent directions)."""
+    outcome = peeler.peel(directions, masks)
+    assert bool((outcome.robust <= outcome.consistent).all())
+    return outcome.robust, outcome.samples
+
+
 def test_each_true_direction_peels_to_its_exact_sample_and_gradient():
     b = 40
     _, problem, X, dZ, Qt = _client(b, 400)
     peeler = _peeler(problem)
     assert peeler.usable
     masks = zero_mask((problem.L @ Qt).T, 1e-9)
-    certified, samples = peeler.peel(Qt.T, masks)
+    certified, samples = _peel(peeler, Qt.T, masks)
     assert bool(certified.all())
     # in the order given: sample j from column j alone, without the other b - 1 directions
     assert torch.allclose(samples.inputs, X, rtol=0, atol=1e-10)
@@ -88,7 +94,7 @@ def test_mixtures_and_wrong_directions_are_not_certified():
     wrong.append(torch.nn.functional.normalize(torch.randn(b, dtype=torch.float64), dim=0))
     wrong = torch.stack([q for q in wrong if q is not None])
     masks = zero_mask(wrong @ L.T, 1e-9)
-    certified, samples = peeler.peel(wrong, masks)
+    certified, samples = _peel(peeler, wrong, masks)
     assert not bool(certified.any()) and len(samples) == 0
 
 
@@ -98,7 +104,7 @@ def test_residual_problem_is_the_gradient_of_the_unpeeled_samples():
     peeler = _peeler(problem)
     F, rest = torch.arange(0, b, 3), torch.tensor([j for j in range(b) if j % 3])
     masks = zero_mask((problem.L @ Qt[:, F]).T, 1e-9)
-    certified, samples = peeler.peel(Qt[:, F].T, masks)
+    certified, samples = _peel(peeler, Qt[:, F].T, masks)
     assert bool(certified.all())
     residual, basis = residual_problem(problem, samples)
     assert residual.batch_size == rest.numel() and basis.shape == (b, rest.numel())
@@ -116,8 +122,8 @@ def test_a_duplicate_or_inconsistent_certificate_is_rejected():
     _, problem, _, _, Qt = _client(b, 300, seed=3)
     peeler = _peeler(problem)
     masks = zero_mask((problem.L @ Qt).T, 1e-9)
-    _, first = peeler.peel(Qt[:, :5].T, masks[:5])
-    _, again = peeler.peel(Qt[:, 3:8].T, masks[3:8])  # columns 3 and 4 are peeled twice
+    _, first = _peel(peeler, Qt[:, :5].T, masks[:5])
+    _, again = _peel(peeler, Qt[:, 3:8].T, masks[3:8])  # columns 3 and 4 are peeled twice
     keep = mutually_consistent(first, again, RTOL)
     assert keep.tolist() == [False, False, True, True, True]
     # a forged certificate: the right direction with another sample's coefficients
@@ -179,7 +185,7 @@ def test_residual_next_layer_gradient_drops_the_peeled_samples():
     peeler = _peeler(problem)
     F, rest = torch.arange(0, b, 2), torch.arange(1, b, 2)
     masks = zero_mask((problem.L @ Qt[:, F]).T, 1e-9)
-    certified, samples = peeler.peel(Qt[:, F].T, masks)
+    certified, samples = _peel(peeler, Qt[:, F].T, masks)
     assert bool(certified.all()) and samples.next_grad_outputs is not None
     residual, _ = residual_problem(problem, samples)
     # truth: the next layer's per-sample terms dZ'_j a_j^T, summed over the unpeeled samples
@@ -196,27 +202,12 @@ def test_residual_next_layer_gradient_drops_the_peeled_samples():
     assert torch.equal(residual.next_grad_weight == 0, expected)
 
 
-class _Oracle(DirectionProposer):
-    """Proposes the given directions once, then nothing (counts its calls)."""
-
-    name = "oracle"
-
-    def __init__(self, directions):
-        self.directions, self.calls = directions, 0
-
-    def propose(self, ctx, max_proposals):
-        self.calls += 1
-        first = self.calls == 1 and ctx.batch_size == self.directions.shape[1]
-        directions = self.directions if first else ctx.L.new_empty(0, ctx.batch_size)
-        return ProposalBatch(directions, n_drawn=max(1, directions.shape[0]))
-
-
 def test_the_last_sample_comes_from_the_residual_basis_alone():
     # b - 1 true directions peel to b - 1 samples; the residual problem then has batch size 1,
     # its only direction is the basis vector, and no proposer is asked for it
     b = 24
-    view, _, X, _, Qt = _client(b, 300, seed=8)
-    oracle = _Oracle(Qt[:, 1:].T.contiguous())
+    view, _, X, dZ, _ = _client(b, 300, seed=8)
+    oracle = TrueColumns(dZ.T, range(1, b))
     rec = spear.attack_layer(view.model, "0", view.gradients, proposer=oracle, max_proposals=10_000)
     assert rec.verified and rec.stats.certified == b, rec.message
     assert oracle.calls == 1

@@ -7,12 +7,18 @@ the pure core (:mod:`spear.core.reconstruct`).
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping, Sequence
+import math
+import numbers
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
 import torch
 
+from spear.certify import ModelCertifier, check_sparsity_side, model_tail
+from spear.core.certificate import SampleCertifier
+from spear.core.consistency import Tolerances
+from spear.core.proposers import DirectionProposer
 from spear.core.reconstruct import AttackOptions, Reconstruction, run_attack
 from spear.errors import InputError
 
@@ -41,27 +47,72 @@ def _resolve_device(device: str) -> torch.device:
     return dev
 
 
+def _integer(name: str, value: Any, minimum: int, allow_none: bool = False) -> int | None:
+    if value is None and allow_none:
+        return None
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise InputError(f"{name} must be an integer{' or None' if allow_none else ''}, got {value!r}")
+    if int(value) < minimum:
+        raise InputError(f"{name} must be >= {minimum}, got {value}")
+    return int(value)
+
+
+def _fraction(name: str, value: Any) -> float | None:
+    """None, or a real number strictly between 0 and 1."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not 0 < float(value) < 1:
+        raise InputError(f"{name} must be a number in (0, 1) or None, got {value!r}")
+    return float(value)
+
+
 def build_options(options: Mapping[str, Any]) -> AttackOptions:
     """Turn keyword options into :class:`AttackOptions`, naming any unknown or invalid one."""
     unknown = set(options) - _OPTION_NAMES
     if unknown:
         raise InputError(f"unknown option(s) {sorted(unknown)}; valid options are {sorted(_OPTION_NAMES)}")
     opts = AttackOptions(**options)
-    if opts.max_proposals is not None and opts.max_proposals < 0:
-        raise InputError("max_proposals must be >= 0")
-    if opts.chunk_size < 1:
-        raise InputError("chunk_size must be >= 1")
-    if not 0 < opts.p_fr < 1:
-        raise InputError(f"p_fr must be in (0, 1), got {opts.p_fr}")
+    fixed = {
+        "seed": _integer("seed", opts.seed, 0),
+        "max_proposals": _integer("max_proposals", opts.max_proposals, 0, allow_none=True),
+        "chunk_size": _integer("chunk_size", opts.chunk_size, 1),
+        "batch_size": _integer("batch_size", opts.batch_size, 1, allow_none=True),
+        "p_fr": _fraction("p_fr", opts.p_fr),
+        "rank_rtol": _fraction("rank_rtol", opts.rank_rtol),
+        "zero_rtol": _fraction("zero_rtol", opts.zero_rtol),
+        "verify_rtol": _fraction("verify_rtol", opts.verify_rtol),
+    }
+    if fixed["p_fr"] is None:
+        raise InputError("p_fr must be a number in (0, 1), got None")
     if opts.sparsity not in ("output", "input"):
         raise InputError(f"sparsity must be 'output' or 'input', got {opts.sparsity!r}")
-    if opts.time_budget is not None and opts.time_budget <= 0:
-        raise InputError("time_budget must be positive (seconds)")
-    if opts.batch_size is not None and opts.batch_size < 1:
-        raise InputError("batch_size must be >= 1")
-    if opts.dtype not in (torch.float32, torch.float64):
-        raise InputError("dtype must be torch.float64 (exact) or torch.float32")
-    return opts
+    budget = opts.time_budget
+    real = isinstance(budget, numbers.Real) and not isinstance(budget, bool)
+    if budget is not None and (not real or not math.isfinite(budget) or budget <= 0):
+        raise InputError(f"time_budget must be a positive, finite number of seconds or None, got {budget!r}")
+    for name in ("dtype", "proposal_dtype"):
+        if getattr(opts, name) not in (torch.float32, torch.float64):
+            raise InputError(
+                f"{name} must be torch.float64 or torch.float32 (the linear algebra needs them), "
+                f"got {getattr(opts, name)!r}"
+            )
+    for name in ("early_stop", "peel"):
+        if not isinstance(getattr(opts, name), bool):
+            raise InputError(f"{name} must be True or False, got {getattr(opts, name)!r}")
+    if opts.progress is not None and not callable(opts.progress):
+        raise InputError("progress must be a callable receiving ProgressEvent, or None")
+    if not isinstance(opts.proposer, (str, DirectionProposer)):
+        raise InputError(
+            f"proposer must be a name or a DirectionProposer, got {type(opts.proposer).__name__}"
+        )
+    return dataclasses.replace(opts, **fixed)
+
+
+def source_precision(*tensors: torch.Tensor) -> torch.dtype:
+    """The least precise floating dtype among the tensors the gradient came in: the rounding
+    noise every threshold must tolerate (float16 and bfloat16 are upcast, with their own
+    tolerances and the gap rank rule)."""
+    return max((t.dtype for t in tensors), key=lambda d: torch.finfo(d).eps)
 
 
 def reconstruct(
@@ -72,6 +123,7 @@ def reconstruct(
     *,
     next_grad_weight: Any = None,
     next_weight: Any = None,
+    certifier: SampleCertifier | None = None,
     **options: Any,
 ) -> Reconstruction:
     """Recover the input batch of a linear layer ``Z = W X + b`` followed by a ReLU.
@@ -89,12 +141,18 @@ def reconstruct(
         next_weight: optional, that next layer's weight W', shape (k, m). With it, peeling
             also removes the recovered samples from ``next_grad_weight``, whose zero sets then
             get larger (they are intersections over fewer samples).
+        certifier: optional, checks samples one by one from outside the layer
+            (:class:`spear.core.certificate.SampleCertifier`); :func:`attack_layer` builds the
+            model's (:class:`spear.certify.ModelCertifier`).
         **options: see :class:`spear.AttackOptions` (``max_proposals``, ``seed``, ``p_fr``,
             ``time_budget``, ``sparsity``, ``device``, ``progress``, ...).
 
     Returns:
-        A :class:`Reconstruction`; ``inputs`` is the batch (b, n) in arbitrary order and
-        ``verified`` says whether the gradients recomputed from it match.
+        A :class:`Reconstruction`; ``inputs`` is the batch (b, n) in arbitrary order.
+        ``verified`` is True only when the batch is proven: here, with the layer alone, when
+        the recomputed gradients match, the ReLU pattern matches both ways and every sample is
+        pinned by its zero set (``verified_by == "layer"``); otherwise ``ambiguous`` names the
+        samples this gradient cannot tell apart.
 
     Raises:
         InputError: wrong types, shapes, NaN/Inf, all-zero gradients, unknown options.
@@ -133,7 +191,7 @@ def reconstruct(
         raise InputError("grad_weight is all zeros: the update carries no information about the batch")
     if not bool(Gb.abs().amax() > 0):
         raise InputError("grad_bias is all zeros: the scale of each sample cannot be recovered (Theorem 3.6)")
-    source_dtype = torch.float64 if torch.float64 in (GW.dtype, Gb.dtype) else torch.float32
+    source_dtype = source_precision(GW, Gb)
     cast = {"dtype": opts.dtype, "device": device}
     next_gw = None
     if next_grad_weight is not None:
@@ -158,7 +216,15 @@ def reconstruct(
             raise InputError("next_weight contains NaN or Inf")
         next_w = next_w.to(**cast)
     return run_attack(
-        W.to(**cast), bvec.to(**cast), GW.to(**cast), Gb.to(**cast), opts, source_dtype, next_gw, next_w
+        W.to(**cast),
+        bvec.to(**cast),
+        GW.to(**cast),
+        Gb.to(**cast),
+        opts,
+        source_dtype,
+        next_gw,
+        next_w,
+        certifier,
     )
 
 
@@ -166,6 +232,9 @@ def attack_layer(
     model: torch.nn.Module,
     layer: str,
     gradients: Mapping[str, Any] | Sequence[Any],
+    *,
+    certify: bool = True,
+    loss: str | Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = "cross_entropy",
     **options: Any,
 ) -> Reconstruction:
     """Attack one ``nn.Linear`` layer of ``model`` from the gradients the server received.
@@ -177,11 +246,19 @@ def attack_layer(
             "features.fc1".
         gradients: a dict parameter-name -> gradient (``model.named_parameters()`` names), or a
             list in ``model.parameters()`` order.
+        certify: check every recovered sample on its own through the rest of the model, which
+            also recovers its label (:mod:`spear.certify`; needs a (nested) ``nn.Sequential``
+            model, otherwise the result is verified at the layer level only).
+        loss: the client's per-sample loss for that check: "cross_entropy" or a callable
+            ``loss(logits, labels) -> per-sample losses``.
         **options: as for :func:`reconstruct`.
 
     Returns:
         The :class:`Reconstruction` of that layer's inputs (the data itself for the first layer,
-        hidden activations for deeper ones).
+        hidden activations for deeper ones), with ``labels`` when the model certified them.
+
+    Raises:
+        NoSparsityError: the model shows a non-ReLU activation right after the layer.
     """
     modules = dict(model.named_modules())
     if layer not in modules:
@@ -191,7 +268,11 @@ def attack_layer(
     if not isinstance(module, torch.nn.Linear):
         raise InputError(f"module {layer!r} is a {type(module).__name__}, not torch.nn.Linear")
     if module.bias is None:
-        raise InputError(f"layer {layer!r} has no bias; SPEAR needs dL/db to recover scales (Theorem 3.6)")
+        raise InputError(
+            f"layer {layer!r} has no bias (bias=False): without dL/db the scale of each sample is not "
+            "determined (Theorem 3.6), so spear-fl cannot recover its inputs exactly. Attack a layer "
+            "with a bias (one whose bias is zero works: dL/db is still sent)"
+        )
     names = [name for name, _ in model.named_parameters()]
     if isinstance(gradients, Mapping):
         grads = dict(gradients)
@@ -212,6 +293,12 @@ def attack_layer(
         if following is not None:
             options["next_grad_weight"] = following[1]
             options.setdefault("next_weight", following[0].weight)
+    tail = model_tail(model, layer)
+    check_sparsity_side(tail, layer, options.get("sparsity", "output"))
+    if certify and tail is not None and "certifier" not in options:
+        dtype = source_precision(_as_tensor("gradient", grads[prefix + "weight"]))
+        rtol = options.get("verify_rtol") or Tolerances.for_dtype(dtype).verify_rtol
+        options["certifier"] = ModelCertifier(tail, module.weight, module.bias, rtol, loss)
     return reconstruct(
         module.weight, module.bias, grads[prefix + "weight"], grads[prefix + "bias"], **options
     )

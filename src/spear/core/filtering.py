@@ -17,7 +17,7 @@ import torch
 DEFAULT_ZERO_RTOL = {torch.float64: 1e-9, torch.float32: 1e-4}
 #: smallest ratio s_{b-1} / s_1 of the zero rows for the kernel to count as one-dimensional
 KERNEL_GAP_RTOL = 1e-7
-#: a row whose leverage is within this of 1 is essential to the kernel (see _kernel_of_rows)
+#: a row whose leverage is within this of 1 is essential to the kernel (see kernel_of_rows)
 ESSENTIAL_ROW_TOL = 1e-6
 #: two unit directions with |cos| above this are the same direction
 DUPLICATE_COS = 1.0 - 1e-9
@@ -37,7 +37,7 @@ def canonical_sign(q: torch.Tensor) -> torch.Tensor:
     return q * torch.sign(q.gather(1, pivot))
 
 
-def _kernel_of_rows(L: torch.Tensor, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def kernel_of_rows(L: torch.Tensor, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Smallest right singular vector of ``L[rows_i]`` for each mask ``rows_i`` (k x m), whether
     that kernel is one-dimensional, and whether it is *robust*. Masked-out rows are zeroed, which
     changes neither the right singular vectors nor the nonzero singular values.
@@ -121,8 +121,9 @@ class SnapResult:
     directions: torch.Tensor  # (k, b) unit vectors, float64
     zero_masks: torch.Tensor  # (k, rows) bool
     zero_counts: torch.Tensor  # (k,) int
-    robust: torch.Tensor | None = None  # (k,) bool: no essential row (see _kernel_of_rows)
+    robust: torch.Tensor | None = None  # (k,) bool: no essential row (see kernel_of_rows)
     certified: torch.Tensor | None = None  # (k,) bool: its sample was peeled (core.peeling)
+    certain_zero: torch.Tensor | None = None  # (k, rows) bool: entries below the noise floor
 
 
 def snap_and_filter(
@@ -133,6 +134,7 @@ def snap_and_filter(
     zero_rtol: float,
     hint_rtol: float = 1e-3,
     known_masks: torch.Tensor | None = None,
+    zero_floor: float | None = None,
 ) -> SnapResult:
     """Make rough directions exact and keep those that pass the sparsity filter.
 
@@ -143,7 +145,10 @@ def snap_and_filter(
     4. The survivors with distinct zero sets not among ``known_masks`` (the pool's: the same
        exact zero set means the same direction) are re-solved by SVD on their full exact zero
        set (rejected unless that kernel is one-dimensional), counted once more, and flagged
-       robust when no zero row is essential (mixtures never are; see ``_kernel_of_rows``).
+       robust when no zero row is essential (mixtures never are; see ``kernel_of_rows``).
+
+    ``zero_floor`` (default ``zero_rtol``) marks the entries that are certainly zero
+    (``SnapResult.certain_zero``, see :mod:`spear.core.consistency`).
     """
     b = L.shape[1]
     empty = SnapResult(
@@ -151,6 +156,7 @@ def snap_and_filter(
         torch.empty(0, L.shape[0], dtype=torch.bool, device=L.device),
         torch.empty(0, dtype=torch.long, device=L.device),
         torch.empty(0, dtype=torch.bool, device=L.device),
+        certain_zero=torch.empty(0, L.shape[0], dtype=torch.bool, device=L.device),
     )
     if directions.shape[0] == 0:
         return empty
@@ -178,13 +184,15 @@ def snap_and_filter(
     if q.shape[0] == 0:
         return empty
     # exact re-solve on the full zero set, with the one-dimensional-kernel check
-    q, one_dim, robust = _kernel_of_rows(L, rows)
-    rows = zero_mask(q @ L.T, zero_rtol)
+    q, one_dim, robust = kernel_of_rows(L, rows)
+    values = q @ L.T
+    rows = zero_mask(values, zero_rtol)
     keep = one_dim & (rows.sum(dim=1) >= threshold_count)
-    q, rows, robust = q[keep], rows[keep], robust[keep]
+    q, rows, robust, values = q[keep], rows[keep], robust[keep], values[keep]
     if q.shape[0] == 0:
         return empty
-    return SnapResult(canonical_sign(q), rows, rows.sum(dim=1), robust)
+    certain = zero_mask(values, zero_rtol if zero_floor is None else zero_floor)
+    return SnapResult(canonical_sign(q), rows, rows.sum(dim=1), robust, certain_zero=certain)
 
 
 @dataclass
@@ -201,6 +209,10 @@ class CandidatePool:
     zero_counts: torch.Tensor = field(init=False)
     robust: torch.Tensor = field(init=False)
     certified: torch.Tensor = field(init=False)
+    certain_zero: torch.Tensor = field(init=False)
+    #: zero masks of rejected candidates (a sample that failed the model certificate): snapping
+    #: skips them, so they never come back
+    rejected_masks: torch.Tensor = field(init=False)
 
     def __post_init__(self) -> None:
         self.directions = torch.empty(0, self.batch_size, dtype=self.dtype, device=self.device)
@@ -208,6 +220,27 @@ class CandidatePool:
         self.zero_counts = torch.empty(0, dtype=torch.long, device=self.device)
         self.robust = torch.empty(0, dtype=torch.bool, device=self.device)
         self.certified = torch.empty(0, dtype=torch.bool, device=self.device)
+        self.certain_zero = torch.empty(0, self.rows, dtype=torch.bool, device=self.device)
+        self.rejected_masks = torch.empty(0, self.rows, dtype=torch.bool, device=self.device)
+
+    @property
+    def known_masks(self) -> torch.Tensor:
+        """Zero masks snapping need not solve again: the pool's and the rejected ones."""
+        return torch.cat([self.zero_masks, self.rejected_masks])
+
+    def reject(self, indices: list[int]) -> None:
+        """Remove candidates for good (their masks join ``rejected_masks``)."""
+        if not indices:
+            return
+        drop = torch.zeros(len(self), dtype=torch.bool, device=self.robust.device)
+        drop[indices] = True
+        self.rejected_masks = torch.cat([self.rejected_masks, self.zero_masks[drop]])
+        self._keep(~drop)
+
+    def _keep(self, keep: torch.Tensor) -> None:
+        self.directions, self.zero_masks = self.directions[keep], self.zero_masks[keep]
+        self.zero_counts, self.robust = self.zero_counts[keep], self.robust[keep]
+        self.certified, self.certain_zero = self.certified[keep], self.certain_zero[keep]
 
     @property
     def trusted_mask(self) -> torch.Tensor:
@@ -237,6 +270,8 @@ class CandidatePool:
             self.directions = torch.cat([self.directions, q[None]])
             self.zero_masks = torch.cat([self.zero_masks, snapped.zero_masks[i : i + 1]])
             self.zero_counts = torch.cat([self.zero_counts, snapped.zero_counts[i : i + 1]])
+            certain = snapped.zero_masks if snapped.certain_zero is None else snapped.certain_zero
+            self.certain_zero = torch.cat([self.certain_zero, certain[i : i + 1]])
             flag = True if snapped.robust is None else bool(snapped.robust[i])
             self.robust = torch.cat([self.robust, torch.tensor([flag], device=self.robust.device)])
             self.certified = torch.cat([self.certified, torch.tensor([sure], device=self.robust.device)])
@@ -257,6 +292,4 @@ class CandidatePool:
         drop = untrusted[order[limit:]]
         keep = torch.ones(len(self), dtype=torch.bool, device=self.robust.device)
         keep[drop] = False
-        self.directions, self.zero_masks = self.directions[keep], self.zero_masks[keep]
-        self.zero_counts, self.robust = self.zero_counts[keep], self.robust[keep]
-        self.certified = self.certified[keep]
+        self._keep(keep)

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+from spear.core.consistency import pattern_matches
 from spear.core.scale import LayerProblem
 
 #: how many candidate matrices are scored at once (memory ~ chunk * b * rows numbers)
@@ -36,12 +37,18 @@ class Selection:
 
 
 def score(
-    problem: LayerProblem, Qbar: torch.Tensor, masks: torch.Tensor
+    problem: LayerProblem,
+    Qbar: torch.Tensor,
+    masks: torch.Tensor,
+    certain_zero: torch.Tensor | None = None,
+    z_rtol: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Score a batch of unscaled matrices (S, b, b) whose columns have zero masks (S, b, rows).
 
     Output mode: sigma of Definition 4.1, ``(sigma_- + sigma_+) / (m b)``, where sigma_- counts
-    entries with Z <= 0 and dL/dZ = 0, sigma_+ entries with Z > 0 and dL/dZ != 0.
+    entries with Z <= 0 and dL/dZ = 0, sigma_+ entries with Z > 0 and dL/dZ != 0; made
+    tolerance-aware by ``certain_zero`` (entries below the noise floor; default ``masks``) and
+    ``z_rtol`` (pre-activations without a sign), see :func:`spear.core.consistency.pattern_matches`.
     Input mode: the fraction of entries of the ReLU-produced input X that are zero (by the
     mask) or positive.
 
@@ -53,8 +60,7 @@ def score(
     eye = torch.eye(Qbar.shape[-1], dtype=Qbar.dtype, device=Qbar.device)
     Qbar = torch.where(valid.view(-1, 1, 1), Qbar, eye)
     if problem.mode == "output":
-        positive = problem.pre_activations_t(Qbar, c) > 0  # (S, b, m)
-        matches = positive ^ masks  # positive & nonzero, or non-positive & zero
+        matches = pattern_matches(problem.pre_activations_t(Qbar, c), masks, certain_zero, z_rtol)
     else:
         values = (problem.sparse_factor @ Qbar).transpose(1, 2) * c.unsqueeze(-1)  # (S, b, n)
         # a ReLU output is zero (within the mask's tolerance: exact zeros come back as +-1e-16)
@@ -94,11 +100,27 @@ def sparsest_basis(
     return None
 
 
-def _score_sets(problem: LayerProblem, directions: torch.Tensor, masks: torch.Tensor, sets: torch.Tensor):
+def _score_sets(
+    problem: LayerProblem,
+    directions: torch.Tensor,
+    masks: torch.Tensor,
+    sets: torch.Tensor,
+    certain_zero: torch.Tensor | None,
+    z_rtol: float,
+):
     """Score candidate index sets (S, b) in memory-bounded chunks."""
     b, rows = directions.shape[1], masks.shape[1]
     chunk = max(1, SCORE_CHUNK_ELEMENTS // (b * rows))
-    out = [score(problem, directions[s].transpose(1, 2), masks[s]) for s in sets.split(chunk)]
+    out = [
+        score(
+            problem,
+            directions[s].transpose(1, 2),
+            masks[s],
+            None if certain_zero is None else certain_zero[s],
+            z_rtol,
+        )
+        for s in sets.split(chunk)
+    ]
     return tuple(torch.cat(parts) for parts in zip(*out, strict=True))
 
 
@@ -109,12 +131,15 @@ def greedy_filter(
     zero_counts: torch.Tensor,
     max_sweeps: int | None = None,
     certified: torch.Tensor | None = None,
+    certain_zero: torch.Tensor | None = None,
+    z_rtol: float = 0.0,
 ) -> Selection | None:
     """Algorithm 3: stage 1, then greedy swaps that maximise sigma. None if rank < b.
 
     ``certified`` (bool per candidate) marks directions whose samples were recovered and
     checked one by one (:mod:`spear.core.peeling`): they are selected first and never swapped
-    out, so the swaps only search the remaining positions."""
+    out, so the swaps only search the remaining positions. ``certain_zero`` and ``z_rtol``
+    make sigma tolerance-aware (see :func:`score`)."""
     b = problem.batch_size
     chosen = sparsest_basis(directions, zero_counts, b, certified)
     if chosen is None:
@@ -124,7 +149,9 @@ def greedy_filter(
         free = (~certified[current]).nonzero()[:, 0]
     else:
         free = torch.arange(b, device=directions.device)
-    sigma, valid, c, consistent = _score_sets(problem, directions, zero_masks, current[None])
+    sigma, valid, c, consistent = _score_sets(
+        problem, directions, zero_masks, current[None], certain_zero, z_rtol
+    )
     best_sigma = float(sigma[0])
     n_cand = directions.shape[0]
     sweeps = 0
@@ -135,7 +162,9 @@ def greedy_filter(
         pos, new = torch.meshgrid(free, outside, indexing="ij")
         sets = current.expand(pos.numel(), b).clone()
         sets[torch.arange(pos.numel()), pos.reshape(-1)] = new.reshape(-1)
-        s_sigma, s_valid, s_c, s_consistent = _score_sets(problem, directions, zero_masks, sets)
+        s_sigma, s_valid, s_c, s_consistent = _score_sets(
+            problem, directions, zero_masks, sets, certain_zero, z_rtol
+        )
         k = int(torch.argmax(s_sigma))
         if float(s_sigma[k]) <= best_sigma:
             break

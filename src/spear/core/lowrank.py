@@ -24,10 +24,31 @@ class LowRankSplit:
     rank_rtol: float
 
 
+#: source dtypes less precise than this (float16, bfloat16) get the gap rule (``gap_rank``)
+LOW_PRECISION_EPS = 1e-6
+#: the gap rule looks for the noise floor below this many eps times s_max
+GAP_FLOOR_EPS = 10
+
+
 def default_rank_rtol(shape: tuple[int, int], source_dtype: torch.dtype) -> float:
     """numpy's ``matrix_rank`` rule: ``max(m, n) * eps``, with eps of the dtype the gradient was
     *computed* in (a float32 gradient carries float32 noise even after casting to float64)."""
     return max(shape) * torch.finfo(source_dtype).eps
+
+
+def gap_rank(singular_values: torch.Tensor, floor_rtol: float) -> int:
+    """The rank at the largest drop ``s_k / s_(k+1)`` among the k whose next singular value is
+    already below ``floor_rtol * s_max`` (the noise floor). For half-precision gradients, whose
+    noise (~0.1 eps s_max) lies far above numpy's rule but well below the batch's signal."""
+    S = singular_values
+    if S.numel() < 2 or float(S[0]) == 0.0:
+        return int(S.numel() > 0 and float(S[0]) > 0)
+    ratio = S[:-1] / S[1:].clamp_min(torch.finfo(S.dtype).tiny)
+    eligible = S[1:] <= floor_rtol * S[0]
+    if not bool(eligible.any()):
+        return int(S.numel())
+    ratio = torch.where(eligible, ratio, torch.zeros_like(ratio))
+    return int(ratio.argmax()) + 1
 
 
 def low_rank_split(
@@ -41,6 +62,7 @@ def low_rank_split(
 
     The batch size is the number of singular values above ``rank_rtol * s_max`` (Theorem 3.1:
     ``rank(dL/dW) = b``), unless ``batch_size`` is given, which overrides the estimate.
+    Gradients computed in half precision (float16, bfloat16) get :func:`gap_rank` instead.
 
     Raises:
         RankError: the gradient has full rank ``min(m, n)``, so ``b >= min(m, n)`` and the batch
@@ -48,10 +70,19 @@ def low_rank_split(
     """
     m, n = grad_weight.shape
     U, S, Vh = torch.linalg.svd(grad_weight, full_matrices=False)
-    rtol = (
-        rank_rtol if rank_rtol is not None else default_rank_rtol((m, n), source_dtype or grad_weight.dtype)
-    )
-    b = int((rtol * S[0] < S).sum()) if batch_size is None else int(batch_size)
+    source = source_dtype or grad_weight.dtype
+    rtol = rank_rtol if rank_rtol is not None else default_rank_rtol((m, n), source)
+    if batch_size is not None:
+        b = int(batch_size)
+    elif rank_rtol is None and torch.finfo(source).eps > LOW_PRECISION_EPS:
+        b = gap_rank(S, GAP_FLOOR_EPS * torch.finfo(source).eps)
+    else:
+        b = int((rtol * S[0] < S).sum())
+    if b < 1:
+        raise RankError(
+            f"dL/dW has numerical rank 0 at rank_rtol={rtol:g}: no singular value is above the "
+            "threshold; lower rank_rtol or pass batch_size="
+        )
     if b >= min(m, n):
         raise RankError(
             f"dL/dW ({m} x {n}) has numerical rank {b} = min(m, n): the batch is at least as large "

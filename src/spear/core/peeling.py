@@ -7,10 +7,15 @@ activation vectors ``a_j`` of the attacked layer (when its rank is b). For a fou
 ``q_j`` with exact zero set ``S_j`` (the neurons sample j leaves inactive):
 
 1. ``a_j`` vanishes on ``S_j`` and lies in the row space P of dL/dW': it spans the kernel of
-   ``P[S_j]`` (Theorem 3.3's argument, applied to A instead of dL/dZ).
+   ``P[S_j]`` (Theorem 3.3's argument, applied to A instead of dL/dZ). That kernel must be
+   one-dimensional and *robust* (no essential row, as in :func:`spear.core.filtering.
+   kernel_of_rows`): a mixture of samples that share most of their pattern vanishes on the
+   common rows plus coincidental ones, and each coincidental row is essential.
 2. On the active rows ``a_j = z_j = W x_j + bias``, and ``x_j = R^T r_j`` lies in the row space
    of dL/dW = L R. So ``W_A R^T r_j - s a_A = -bias_A`` in the unknowns (r_j, s): about m/2
-   equations for b + 1 unknowns. A true direction makes this system consistent to rounding
+   equations for b + 1 unknowns. One more pins the scale even when the bias is zero: with
+   ``c = L^+ dL/db = sum_k u_k`` (Theorem 3.6) and step 3's ``u_k . r_j = delta_jk``, every
+   sample has ``r_j . c = 1``. A true direction makes this system consistent to rounding
    error, and its solution has ``z_j <= 0`` on S_j and ``z_j >= 0`` elsewhere; a mixture of
    columns or any other wrong direction does not. Each sample is thereby certified on its own.
 3. ``L R = sum_j (L u_j)(R^T r_j)^T`` gives ``sum_j u_j r_j^T = I``, so ``u_j . r_k = delta_jk``:
@@ -37,6 +42,7 @@ from dataclasses import dataclass
 
 import torch
 
+from spear.core.filtering import ESSENTIAL_ROW_TOL
 from spear.core.proposers.base import orthogonal_complement
 from spear.core.scale import LayerProblem
 
@@ -60,6 +66,8 @@ class PeeledSamples:
         duals: (f, b) u_j = q_j / (q_j . r_j), so that dL/dZ_j = L u_j.
         next_grad_outputs: (f, k) the next layer's dL/dZ'_j (step 5), or None when the next
             layer's weight is unknown; a row of zeros where it was not determined.
+        labels: (f,) labels found by a model-level certificate, -1 where none was run.
+        weights: (f,) loss weights found with them (1/B for a batch mean), NaN where none.
     """
 
     directions: torch.Tensor
@@ -67,6 +75,15 @@ class PeeledSamples:
     inputs: torch.Tensor
     duals: torch.Tensor
     next_grad_outputs: torch.Tensor | None = None
+    labels: torch.Tensor = None  # type: ignore[assignment]  # filled in __post_init__
+    weights: torch.Tensor = None  # type: ignore[assignment]
+
+    def __post_init__(self) -> None:
+        f, device = self.directions.shape[0], self.directions.device
+        if self.labels is None:
+            self.labels = torch.full((f,), -1, dtype=torch.long, device=device)
+        if self.weights is None:
+            self.weights = torch.full((f,), float("nan"), dtype=self.directions.dtype, device=device)
 
     @classmethod
     def empty(
@@ -85,14 +102,39 @@ class PeeledSamples:
         self.coefficients = torch.cat([self.coefficients, other.coefficients])
         self.inputs = torch.cat([self.inputs, other.inputs])
         self.duals = torch.cat([self.duals, other.duals])
+        self.labels = torch.cat([self.labels, other.labels])
+        self.weights = torch.cat([self.weights, other.weights])
         if self.next_grad_outputs is not None and other.next_grad_outputs is not None:
             self.next_grad_outputs = torch.cat([self.next_grad_outputs, other.next_grad_outputs])
 
     def select(self, keep: torch.Tensor) -> PeeledSamples:
         nxt = None if self.next_grad_outputs is None else self.next_grad_outputs[keep]
         return PeeledSamples(
-            self.directions[keep], self.coefficients[keep], self.inputs[keep], self.duals[keep], nxt
+            self.directions[keep],
+            self.coefficients[keep],
+            self.inputs[keep],
+            self.duals[keep],
+            nxt,
+            self.labels[keep],
+            self.weights[keep],
         )
+
+
+@dataclass
+class PeelOutcome:
+    """What peeling made of k directions.
+
+    Attributes:
+        consistent: (k,) bool, steps 1-3 hold (the sample reproduces its activation, ReLU pattern
+            and scale).
+        robust: (k,) bool, consistent and its activation's zero set has no essential row: the
+            two layers alone certify the sample.
+        samples: the samples of the consistent directions, in order.
+    """
+
+    consistent: torch.Tensor
+    robust: torch.Tensor
+    samples: PeeledSamples
 
 
 class SamplePeeler:
@@ -121,63 +163,79 @@ class SamplePeeler:
         #: step 5: dL/dZ'_j = U2 w_j, and W'^T U2 maps w_j to the attacked layer's rows
         self.U2 = U[:, :rank]
         self.back = None if problem.next_weight is None else problem.next_weight.to(G.dtype).T @ self.U2
+        #: step 2's scale equation c . r = 1, weighted like an average row of W R^T
+        self.c = problem.pinv_grad_bias
+        rows = max(1, self.WRt.shape[0])
+        self.scale_weight = float(self.WRt.norm() / (rows**0.5 * self.c.norm().clamp_min(1e-300)))
 
     @property
     def usable(self) -> bool:
         """Whether the next layer's gradient can certify samples at all (rank b)."""
         return self.P.shape[1] == self.problem.batch_size
 
-    def _certify(self, directions: torch.Tensor, masks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Steps 1-2 for k directions (k, b) with zero masks (k, m): whether each is certified,
-        and its coefficients r (k, b)."""
+    def _certify(
+        self, directions: torch.Tensor, masks: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Steps 1-2 for k directions (k, b) with zero masks (k, m): whether each is consistent,
+        whether its activation kernel is also robust, and its coefficients r (k, b)."""
         L, bias, P = self.problem.L, self.problem.bias, self.P
         b = L.shape[1]
         zero = masks.to(L.dtype)
         active = 1.0 - zero
         # step 1: the kernel of P[S] (rows outside S zeroed: the right singular vectors stay)
-        _, S, Vh = torch.linalg.svd(P.unsqueeze(0) * zero.unsqueeze(-1), full_matrices=False)
+        U, S, Vh = torch.linalg.svd(P.unsqueeze(0) * zero.unsqueeze(-1), full_matrices=False)
         one_dim = (S[:, -1] <= self.rtol * S[:, 0]) & (S[:, -2] > self.rtol * S[:, 0])
+        robust = ((U[:, :, :-1] ** 2).sum(dim=-1) < 1.0 - ESSENTIAL_ROW_TOL).all(dim=1)
         a = Vh[:, -1, :] @ P.T  # (k, m): the activation vector's direction
-        # step 2: [W R^T, -a] (r, s) = -bias on the active rows (inactive rows zeroed out)
-        system = torch.cat([self.WRt.expand(a.shape[0], -1, -1), -a.unsqueeze(-1)], dim=2)
-        rhs = (-bias.unsqueeze(0) * active).unsqueeze(-1)
-        solution = torch.linalg.lstsq(system * active.unsqueeze(-1), rhs).solution[:, :, 0]
+        # step 2: [W R^T, -a] (r, s) = -bias on the active rows (inactive rows zeroed out), and
+        # the scale row c . r = 1, weighted like an average row of W R^T
+        k = a.shape[0]
+        system = torch.cat([self.WRt.expand(k, -1, -1), -a.unsqueeze(-1)], dim=2) * active.unsqueeze(-1)
+        scale_row = torch.cat([self.c, self.c.new_zeros(1)]) * self.scale_weight
+        system = torch.cat([system, scale_row.expand(k, 1, -1)], dim=1)
+        rhs = torch.cat([-bias.unsqueeze(0) * active, self.c.new_full((k, 1), self.scale_weight)], dim=1)
+        solution = torch.linalg.lstsq(system, rhs.unsqueeze(-1)).solution[:, :, 0]
         r, s = solution[:, :b], solution[:, b]
         z = r @ self.WRt.T + bias  # (k, m) pre-activations of the recovered samples
         activation = s.unsqueeze(-1) * a
-        scale = (activation * active).norm(dim=1).clamp_min(torch.finfo(L.dtype).tiny)
-        residual = ((z - activation) * active).norm(dim=1) / scale
+        size = (activation * active).norm(dim=1).clamp_min(torch.finfo(L.dtype).tiny)
+        residual = ((z - activation) * active).norm(dim=1) / size
+        scale_error = (r @ self.c - 1.0).abs() / (r.norm(dim=1) * self.c.norm()).clamp_min(1.0)
         # the ReLU pattern: z <= 0 where the column vanishes, z >= 0 where it does not
         slack = self.rtol * z.abs().amax(dim=1)
         relu_ok = ((z * zero).amax(dim=1) <= slack) & ((z * active).amin(dim=1) >= -slack)
         dot = (directions * r).sum(dim=1)
-        ok = one_dim & (residual <= self.rtol) & relu_ok & torch.isfinite(residual)
-        ok &= dot.abs() > self.rtol * r.norm(dim=1)  # u_j = q_j / (q_j . r_j) must exist
-        return ok, r
+        ok = one_dim & (residual <= self.rtol) & (scale_error <= self.rtol) & relu_ok
+        ok &= torch.isfinite(residual) & (dot.abs() > self.rtol * r.norm(dim=1))  # u_j must exist
+        return ok, ok & robust, r
 
-    def peel(self, directions: torch.Tensor, masks: torch.Tensor) -> tuple[torch.Tensor, PeeledSamples]:
-        """Certify and recover the samples of k exact directions (k, b) with zero masks (k, m).
+    def peel(self, directions: torch.Tensor, masks: torch.Tensor) -> PeelOutcome:
+        """Check and recover the samples of k exact directions (k, b) with zero masks (k, m).
 
-        Returns (certified (k,) bool, the certified samples in order)."""
+        A direction is *consistent* when steps 1-3 hold for it, and *robust* when, moreover,
+        its activation's zero set pins the activation (no essential row): robust samples are
+        certified by the two layers alone; consistent ones need another certificate (the
+        model's, :mod:`spear.certify`) before they count."""
         L, R = self.problem.L, self.problem.R
         k, b = directions.shape
         m = L.shape[0]
-        certified = torch.zeros(k, dtype=torch.bool, device=L.device)
+        consistent = torch.zeros(k, dtype=torch.bool, device=L.device)
+        robust = torch.zeros(k, dtype=torch.bool, device=L.device)
         coefficients = torch.zeros(k, b, dtype=L.dtype, device=L.device)
         if k and self.usable:
             zeros = masks.sum(dim=1)
             # enough equations in step 2, and enough zero rows for a one-dimensional kernel
             eligible = ((m - zeros >= b + 1 + SPARE_EQUATIONS) & (zeros >= b)).nonzero()[:, 0]
             for part in eligible.split(max(1, PEEL_CHUNK_ELEMENTS // (m * (b + 1)))):
-                ok, r = self._certify(directions[part].to(L.dtype), masks[part])
-                certified[part], coefficients[part] = ok, r
-        q, r = directions[certified].to(L.dtype), coefficients[certified]
+                ok, firm, r = self._certify(directions[part].to(L.dtype), masks[part])
+                consistent[part], robust[part], coefficients[part] = ok, firm, r
+        q, r = directions[consistent].to(L.dtype), coefficients[consistent]
         duals = q / (q * r).sum(dim=1, keepdim=True)
-        nxt = None if self.back is None else self._next_grad_outputs(duals, ~masks[certified])
+        nxt = None if self.back is None else self._next_grad_outputs(duals, ~masks[consistent])
         samples = PeeledSamples(
             directions=q, coefficients=r, inputs=r @ R, duals=duals, next_grad_outputs=nxt
         )
-        return certified, samples
+        return PeelOutcome(consistent, robust, samples)
 
     def _next_grad_outputs(self, duals: torch.Tensor, active: torch.Tensor) -> torch.Tensor:
         """Step 5: dL/dZ'_j (f, k) of certified samples from ``(W'^T U2 w)_A = (dL/dZ_j)_A`` on
@@ -251,6 +309,7 @@ def residual_problem(problem: LayerProblem, peeled: PeeledSamples) -> tuple[Laye
 
 
 __all__ = [
+    "PeelOutcome",
     "PeeledSamples",
     "SamplePeeler",
     "mutually_consistent",

@@ -2,34 +2,35 @@
 
 Tensors in, a :class:`Reconstruction` out. Input validation and conversion live in
 :mod:`spear.api`; this module assumes float tensors of consistent shapes on one device.
+
+One attack is an :class:`AttackSetup` (everything fixed before the search: the live neurons,
+the low-rank split, tolerances, budget) and an :class:`_Attack` loop over it, whose state is the
+candidate pool, the peeled samples, the :class:`~spear.core.search.ResidualSearch` and the best
+selection with its :class:`~spear.core.verdict.Verdict`.
 """
 
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 import torch
 
 from spear import theory
-from spear.core.filtering import (
-    DEFAULT_ZERO_RTOL,
-    CandidatePool,
-    SnapResult,
-    canonical_sign,
-    snap_and_filter,
-    zero_mask,
+from spear.core.certificate import SampleCertifier
+from spear.core.consistency import Tolerances
+from spear.core.diagnosis import (
+    DIAGNOSABLE_RATIO,
+    PROBE_AFTER_CALLS,
+    below_threshold_note,
+    no_sparsity_message,
+    probe_sparse_directions,
 )
+from spear.core.filtering import CandidatePool, SnapResult, zero_mask
 from spear.core.greedy import Selection, greedy_filter, score
-from spear.core.lowrank import default_rank_rtol, low_rank_split
-from spear.core.peeling import (
-    PeeledSamples,
-    SamplePeeler,
-    mutually_consistent,
-    residual_problem,
-)
+from spear.core.lowrank import LowRankSplit, default_rank_rtol, low_rank_split
+from spear.core.peeling import PeeledSamples, SamplePeeler, mutually_consistent
 from spear.core.proposers import (
     PROPOSERS,
     AutoProposer,
@@ -39,16 +40,20 @@ from spear.core.proposers import (
     RandomSubmatrixSampler,
 )
 from spear.core.scale import LayerProblem, SparsityMode
-from spear.core.verify import DEFAULT_VERIFY_RTOL, verify
-from spear.errors import InputError, NoSparsityError
+from spear.core.search import ResidualSearch
+from spear.core.verdict import ModelGate, Verdict, judge, verdict_message
+from spear.core.verify import verify
+from spear.errors import InputError, NoSparsityError, RankError
 
 #: how many times the expected wait for one sparse direction must pass without any candidate
 #: before the gradient is declared not ReLU-sparse, and the zero rate that wait assumes
 NO_SPARSITY_PATIENCE = 200
 NO_SPARSITY_ZERO_RATE = 0.3
-#: the attack moves on to the residual problem of the unrecovered samples once this fraction of
-#: them has been peeled since the last move (each move makes the proposers start afresh)
-RESIDUAL_STEP = 0.1
+#: a neuron whose row of dL/dW is at most this times the largest row's is dead for the whole
+#: batch (its dL/dZ row is exactly zero: a ReLU inactive for every sample)
+DEAD_ROW_RTOL = 1e-12
+#: selections re-made after the model certificate rejected columns, per step at most
+MAX_REJECTION_ROUNDS = 4
 
 
 @dataclass(frozen=True)
@@ -74,7 +79,7 @@ class AttackOptions:
             clipped to [1e6, 2e9].
         chunk_size: proposals per vectorized step.
         p_fr: false-rejection rate; tau follows from the binomial CDF (Section 4.1).
-        seed: seed of every random choice.
+        seed: seed of every random choice (an integer).
         dtype: working dtype of the exact stages (float64 for exact results).
         proposal_dtype: dtype the sampler drafts proposals in (float32 is ~2x faster; survivors
             are re-solved in ``dtype``).
@@ -84,9 +89,9 @@ class AttackOptions:
         sparsity: "output" when the layer is followed by a ReLU (dL/dZ sparse, the default),
             "input" when it is preceded by one (X sparse, Section 3.2).
         batch_size: known batch size; overrides the numerical-rank estimate.
-        rank_rtol: relative singular-value threshold of the rank estimate.
-        zero_rtol: entries below ``zero_rtol * max`` count as zeros.
-        verify_rtol: relative tolerance of the gradient verification.
+        rank_rtol: relative singular-value threshold of the rank estimate, in (0, 1).
+        zero_rtol: entries below ``zero_rtol * max`` count as zeros, in (0, 1).
+        verify_rtol: relative tolerance of the gradient verification, in (0, 1).
         proposer: a :class:`DirectionProposer`, or a name: "auto" (default: random sampling for
             small batches; for large ones next-layer zero sets, neuron-guided and
             complement-guided sampling and ICA+IRLS, see :class:`AutoProposer`), "sampling" (the
@@ -126,6 +131,8 @@ class AttackStats:
     threshold_count: int
     tau: float
     certified: int = 0  # samples peeled and certified one by one (core.peeling)
+    dead_neurons: int = 0  # neurons inactive for the whole batch (left out of the search)
+    certificate_seconds: float = 0.0  # time spent in the model-level certificate
 
     def as_dict(self) -> dict:
         return dict(self.__dict__)
@@ -140,19 +147,35 @@ class Reconstruction:
             independent directions were found (then ``message`` says so).
         grad_outputs: (m, b) reconstructed dL/dZ (columns in the order of ``inputs``).
         batch_size: b, the numerical rank of dL/dW.
-        sigma: sparsity-matching coefficient of the result (Definition 4.1); 1 means every entry
-            of dL/dZ matches the ReLU pattern of the reconstructed pre-activations.
-        verified: the gradients recomputed through the ReLU from the reconstruction match the
-            observed ones within ``verify_rtol`` (see :mod:`spear.core.verify`).
-        residual: the relative error of that recomputation.
+        sigma: sparsity-matching coefficient of the result (Definition 4.1, tolerance-aware);
+            1 means every entry of dL/dZ matches the ReLU pattern of the reconstructed
+            pre-activations, both ways.
+        verified: the batch is proven, at the level ``verified_by`` names: "model" (every sample
+            certified on its own through the rest of the network, labels recovered) or "layer"
+            (gradients reproduced, ReLU pattern consistent both ways, and every sample pinned by
+            its zero set, so no other batch is consistent with this layer's gradient). See
+            "What verified means" in the README.
+        residual: the relative error of the recomputed gradients.
         consistent_directions: how many of the b columns match the ReLU pattern entry for entry.
         directions: (b, b) unit directions (columns), scales: (b,) Theorem 3.6's scales.
         singular_values: all singular values of dL/dW, to inspect the rank gap.
         stats: proposals, candidates, seconds, seed, stop reason.
         message: a one-line human summary.
-        certified_inputs: (f, n) the samples recovered and certified one at a time through the
-            next layer's gradient (:mod:`spear.core.peeling`), or None. They are exact even when
-            the whole batch was not recovered (then ``inputs`` is None).
+        certified_inputs: (f, n) the samples recovered and certified one at a time (through
+            the next layer's gradient, or the model), or None. They are exact even when the
+            whole batch was not recovered (then ``inputs`` is None).
+        labels: (b,) the label of each sample, from the model-level certificate (-1 where it
+            did not certify one), or None without a model.
+        multiplicities: (b,) how often each sample occurs (exact duplicates share a column), and
+            ``reduction`` ("mean" or "sum"), when the model-level certificate could tell.
+        client_batch_size, missing_samples: for a mean loss, the client's batch size B (read off
+            the loss weight 1/B) and how many of its samples left no trace in this layer (every
+            neuron inactive for them: no attack on this layer can see them).
+        consistent: the gradients are reproduced and sigma = 1 (necessary, not sufficient).
+        ambiguous: groups of sample indices (into ``inputs``) that this layer's gradient does
+            not determine (e.g. samples sharing an activation pattern: only their span is).
+        certified_labels: (f,) labels of ``certified_inputs`` (-1 where unknown), or None.
+        notes: further remarks (e.g. why the model certificate was switched off).
     """
 
     inputs: torch.Tensor | None
@@ -169,18 +192,41 @@ class Reconstruction:
     message: str
     mode: SparsityMode = "output"
     certified_inputs: torch.Tensor | None = None
+    labels: torch.Tensor | None = None
+    multiplicities: torch.Tensor | None = None
+    reduction: str | None = None
+    verified_by: str | None = None
+    consistent: bool = False
+    ambiguous: tuple[tuple[int, ...], ...] = ()
+    certified_labels: torch.Tensor | None = None
+    notes: tuple[str, ...] = ()
+    client_batch_size: int | None = None
+    missing_samples: int | None = None
 
     def summary(self) -> dict:
         """JSON-ready summary (no tensors)."""
+
+        def listed(t: torch.Tensor | None) -> list | None:
+            return None if t is None else [int(v) for v in t.tolist()]
+
         return {
             "batch_size": self.batch_size,
             "verified": self.verified,
+            "verified_by": self.verified_by,
+            "consistent": self.consistent,
             "residual": self.residual,
             "sigma": self.sigma,
             "consistent_directions": self.consistent_directions,
             "certified_samples": 0 if self.certified_inputs is None else int(self.certified_inputs.shape[0]),
+            "labels": listed(self.labels),
+            "multiplicities": listed(self.multiplicities),
+            "reduction": self.reduction,
+            "client_batch_size": self.client_batch_size,
+            "missing_samples": self.missing_samples,
+            "ambiguous": [list(g) for g in self.ambiguous],
             "mode": self.mode,
             "message": self.message,
+            "notes": list(self.notes),
             "stats": self.stats.as_dict(),
         }
 
@@ -207,32 +253,434 @@ def make_proposer(spec: DirectionProposer | str, chunk_size: int) -> DirectionPr
     )
 
 
-def _make_peeler(
-    problem: LayerProblem, options: AttackOptions, source_dtype: torch.dtype, rtol: float
-) -> SamplePeeler | None:
-    """A :class:`SamplePeeler` when peeling is on and the next layer's gradient can certify
-    samples (output sparsity, rank b), else None."""
-    if not options.peel or options.sparsity != "output" or problem.next_grad_weight is None:
-        return None
-    rtol_rank = default_rank_rtol(tuple(problem.next_grad_weight.shape), source_dtype)
-    peeler = SamplePeeler(problem, rtol, rtol_rank)
-    return peeler if peeler.usable else None
+@dataclass(frozen=True)
+class LayerTensors:
+    """The attacked layer as the server sees it, full width (for verification)."""
+
+    weight: torch.Tensor
+    bias: torch.Tensor
+    grad_weight: torch.Tensor
+    grad_bias: torch.Tensor
 
 
-def _lift(snapped: SnapResult, basis: torch.Tensor) -> SnapResult:
-    """Directions of a residual problem (k x b') as directions of the full one (k x b); the
-    zero masks are the same, since ``L B q' = L q``."""
-    q = snapped.directions @ basis.T
-    return replace(snapped, directions=canonical_sign(q / q.norm(dim=1, keepdim=True)))
+@dataclass
+class AttackSetup:
+    """Everything fixed before the search starts.
+
+    Neurons inactive for the whole batch (dead rows: their rows of dL/dW are exactly zero) are
+    zero in every column of dL/dZ; they carry no information and would only dilute random row
+    subsets, so ``problem`` holds the live rows only and results are mapped back to the full
+    width (``expand``).
+    """
+
+    layer: LayerTensors
+    live: torch.Tensor  # (m,) bool
+    split: LowRankSplit
+    problem: LayerProblem
+    tol: Tolerances
+    threshold: int
+    budget: int
+    options: AttackOptions
+    source_dtype: torch.dtype
+    start: float
+
+    @classmethod
+    def build(
+        cls,
+        layer: LayerTensors,
+        options: AttackOptions,
+        source_dtype: torch.dtype,
+        next_grad_weight: torch.Tensor | None,
+        next_weight: torch.Tensor | None,
+    ) -> AttackSetup:
+        start = time.perf_counter()
+        rows = layer.grad_weight.norm(dim=1)
+        live = rows > DEAD_ROW_RTOL * rows.max()
+        split = low_rank_split(
+            layer.grad_weight[live],
+            batch_size=options.batch_size,
+            rank_rtol=options.rank_rtol,
+            source_dtype=source_dtype,
+        )
+        if split.batch_size >= int(live.sum()):
+            raise RankError(
+                f"only {int(live.sum())} of {live.numel()} neurons are active for this batch, and the "
+                f"gradient has rank {split.batch_size}: SPEAR needs more active neurons than samples"
+            )
+        problem = LayerProblem(
+            layer.weight[live],
+            layer.bias[live],
+            layer.grad_bias[live],
+            split.L,
+            split.R,
+            options.sparsity,
+            None if next_grad_weight is None else next_grad_weight[:, live],
+            None if next_weight is None else next_weight[:, live],
+        )
+        rows_searched = problem.sparse_factor.shape[0]
+        b = split.batch_size
+        budget = options.max_proposals if options.max_proposals is not None else default_max_proposals(b)
+        return cls(
+            layer=layer,
+            live=live,
+            split=split,
+            problem=problem,
+            tol=Tolerances.for_dtype(source_dtype, options.zero_rtol, options.verify_rtol),
+            threshold=theory.sparsity_threshold_count(rows_searched, options.p_fr),
+            budget=budget,
+            options=options,
+            source_dtype=source_dtype,
+            start=start,
+        )
+
+    @property
+    def b(self) -> int:
+        return self.split.batch_size
+
+    @property
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.start
+
+    def expand(self, live_rows: torch.Tensor) -> torch.Tensor:
+        """(m_live, k) values on the live neurons -> (m, k), zero on the dead ones."""
+        out = live_rows.new_zeros(self.live.numel(), live_rows.shape[1])
+        out[self.live] = live_rows
+        return out
+
+    def make_peeler(self) -> SamplePeeler | None:
+        """A :class:`SamplePeeler` when peeling is on and the next layer's gradient can certify
+        samples (output sparsity, rank b), else None."""
+        p = self.problem
+        if not self.options.peel or self.options.sparsity != "output" or p.next_grad_weight is None:
+            return None
+        rank_rtol = default_rank_rtol(tuple(p.next_grad_weight.shape), self.source_dtype)
+        peeler = SamplePeeler(p, self.tol.verify_rtol, rank_rtol)
+        return peeler if peeler.usable else None
+
+    def assemble_and_check(self, selection: Selection):
+        """Inputs and full-width dL/dZ of a selection, and the recomputed gradients' check."""
+        inputs, grad_outputs = self.problem.assemble(selection.Qbar, selection.scales)
+        grad_outputs = self.expand(grad_outputs)
+        lt = self.layer
+        check = verify(
+            lt.weight,
+            lt.bias,
+            lt.grad_weight,
+            lt.grad_bias,
+            inputs,
+            grad_outputs,
+            self.options.sparsity,
+            self.tol.verify_rtol,
+        )
+        return (inputs, grad_outputs), check
 
 
-def _residual_found(pool: CandidatePool, basis: torch.Tensor) -> torch.Tensor:
-    """The pool's trusted, not yet peeled directions that belong to the residual problem (they
-    lie in the span of ``basis``), in its coordinates."""
-    q = pool.directions[pool.trusted_mask & ~pool.certified]
-    coords = q @ basis
-    inside = coords.norm(dim=1) >= 1.0 - 1e-9
-    return coords[inside] / coords[inside].norm(dim=1, keepdim=True)
+class _Attack:
+    """The search loop of one attack and its state."""
+
+    def __init__(self, setup: AttackSetup, certifier: SampleCertifier | None) -> None:
+        self.setup = setup
+        opts = setup.options
+        factor = setup.problem.sparse_factor
+        self.proposer = make_proposer(opts.proposer, opts.chunk_size)
+        self.pool = CandidatePool(setup.b, factor.shape[0], dtype=factor.dtype, device=factor.device)
+        self.peeler = setup.make_peeler()
+        self.peeled = PeeledSamples.empty(
+            setup.b,
+            setup.problem.R.shape[1],
+            factor.dtype,
+            factor.device,
+            None if self.peeler is None or self.peeler.back is None else self.peeler.U2.shape[0],
+        )
+        self.gate = ModelGate(certifier)
+        root = ProposalContext(
+            L=factor,
+            batch_size=setup.b,
+            threshold_count=setup.threshold,
+            generator=torch.Generator(device="cpu").manual_seed(opts.seed),
+            proposal_dtype=opts.proposal_dtype,
+            found=self.pool.directions,
+            problem=setup.problem,
+        )
+        self.search = ResidualSearch(root)
+        self.best: Selection | None = None
+        self.verdict: Verdict | None = None
+        self.drawn = 0
+        self.calls = 0
+        self.probed = False
+        self.notes: list[str] = []
+
+    # --- one step ---------------------------------------------------------------------------
+
+    def step(self) -> ProposalBatch:
+        """Propose, snap, peel, pool, select."""
+        batch = self.search.propose(self.proposer, self.setup.budget - self.drawn)
+        self.drawn += batch.n_drawn
+        self.calls += 1
+        snapped = self.search.snap(batch, self.setup.tol, self.pool.known_masks)
+        self._absorb(snapped)
+        return batch
+
+    def _absorb(self, snapped: SnapResult) -> None:
+        fresh = self._peel(snapped)
+        known_before = int(self.pool.trusted_mask.sum())
+        added = self.pool.add(snapped)
+        if fresh is not None and len(fresh):
+            self.peeled.extend(fresh)
+        changed = bool(added) or int(self.pool.trusted_mask.sum()) != known_before
+        if not self.search.update(self.pool, self.peeled, changed, 0 if fresh is None else len(fresh)):
+            self.peeler = None  # the last sample did not certify: peeling has done what it can
+        if changed and len(self.pool) >= self.setup.b:
+            self._select()
+
+    def _peel(self, snapped: SnapResult) -> PeeledSamples | None:
+        """Recover the samples of new directions one by one; mark the certified ones.
+
+        A sample counts when the two layers certify it robustly, or when they are consistent
+        with it and the model certifies it (:mod:`spear.core.certificate`)."""
+        if self.peeler is None or not snapped.directions.shape[0]:
+            return None
+        outcome = self.peeler.peel(snapped.directions, snapped.zero_masks)
+        samples = outcome.samples
+        position = outcome.consistent.nonzero()[:, 0]
+        accept = outcome.robust[position]
+        if len(samples):
+            grads = self.setup.expand(self.setup.problem.L @ samples.duals.T).T
+            cert = self.gate.check(samples.inputs, grads, accept)
+            if cert is not None:
+                samples.labels = torch.where(cert.ok, cert.labels, -1).to(samples.labels.device)
+                samples.weights = torch.where(cert.ok, cert.weights, torch.nan).to(samples.weights)
+                accept = accept | cert.ok.to(accept.device)
+        samples, position = samples.select(accept), position[accept]
+        keep = mutually_consistent(self.peeled, samples, self.setup.tol.verify_rtol)
+        certified = torch.zeros(snapped.directions.shape[0], dtype=torch.bool, device=position.device)
+        certified[position[keep]] = True
+        snapped.certified = certified
+        return samples.select(keep)
+
+    def _select(self) -> None:
+        """Greedy selection (Algorithm 3); a perfect one is judged, and columns the model shows
+        to be wrong are rejected for good before selecting again."""
+        s, pool = self.setup, self.pool
+        for _ in range(MAX_REJECTION_ROUNDS):
+            if len(pool) < s.b:
+                return
+            selection = greedy_filter(
+                s.problem,
+                pool.directions,
+                pool.zero_masks,
+                pool.zero_counts,
+                certified=pool.certified,
+                certain_zero=pool.certain_zero,
+                z_rtol=s.tol.z_rtol,
+            )
+            if selection is None:
+                return
+            if self.best is not None and selection.sigma < self.best.sigma:
+                return
+            verdict = self._judge(selection, pool.certified[list(selection.indices)])
+            if verdict is not None and verdict.reject and self.gate.active:
+                pool.reject([selection.indices[i] for i in verdict.reject])
+                self.best, self.verdict = None, None
+                continue
+            self.best, self.verdict = selection, verdict
+            return
+
+    def _judge(self, selection: Selection, certified: torch.Tensor) -> Verdict | None:
+        if not selection.perfect:
+            return None
+        assembled, check = self.setup.assemble_and_check(selection)
+        factor = self.setup.problem.sparse_factor
+        return judge(selection, factor, certified, assembled, check, self.setup.tol, self.gate)
+
+    # --- the loop ---------------------------------------------------------------------------
+
+    def _check_sparsity(self) -> None:
+        """Diagnose a gradient without ReLU sparsity instead of searching until the budget ends."""
+        if len(self.pool):
+            return
+        s, b = self.setup, self.setup.b
+        rows = s.problem.sparse_factor.shape[0]
+        if not self.probed and self.calls >= PROBE_AFTER_CALLS:
+            self.probed = True
+            probe = probe_sparse_directions(self.search.root, s.tol.zero_rtol, s.tol.zero_floor, None)
+            self._absorb(probe.snapped)
+            if len(self.pool) == 0 and probe.looks_dense(b, rows) and rows >= DIAGNOSABLE_RATIO * b:
+                raise NoSparsityError(no_sparsity_message(b, rows, s.options.sparsity, self.calls))
+            if len(self.pool) == 0 and not probe.looks_dense(b, rows):
+                self.notes.append(below_threshold_note(probe.sparsest, rows, s.threshold))
+            return
+        # Lemma 5.1's q at a conservative 30% zeros per column (trained networks fall below the
+        # paper's 50%, Fig. 7): only a gradient with hardly any zeros exhausts this patience
+        patience = NO_SPARSITY_PATIENCE / (b * NO_SPARSITY_ZERO_RATE ** (b - 1))
+        if self.drawn >= patience and rows > 2 * b and len(self.pool) == 0:
+            raise NoSparsityError(no_sparsity_message(b, rows, s.options.sparsity, self.calls))
+
+    def _progress(self) -> None:
+        if self.setup.options.progress is None:
+            return
+        best = self.best
+        self.setup.options.progress(
+            ProgressEvent(
+                proposals=self.drawn,
+                max_proposals=self.setup.budget,
+                candidates=len(self.pool),
+                consistent_directions=best.consistent_columns if best else 0,
+                batch_size=self.setup.b,
+                sigma=best.sigma if best else None,
+                seconds=self.setup.elapsed,
+                certified=len(self.peeled),
+            )
+        )
+
+    def run(self) -> Reconstruction:
+        opts = self.setup.options
+        reason = "budget"
+        try:
+            while self.drawn < self.setup.budget:
+                if opts.time_budget is not None and self.setup.elapsed >= opts.time_budget:
+                    reason = "time budget"
+                    break
+                batch = self.step()
+                self._progress()
+                if self.best is not None and self.best.perfect and opts.early_stop:
+                    reason = "sigma=1"
+                    break
+                if batch.exhausted:
+                    reason = "exhausted"
+                    break
+                self._check_sparsity()
+        except KeyboardInterrupt:
+            reason = "interrupted"
+        return finish(self.setup, self.best, self.verdict, self.gate, self.peeled, self, reason)
+
+
+def finish(
+    setup: AttackSetup,
+    selection: Selection | None,
+    verdict: Verdict | None,
+    gate: ModelGate,
+    peeled: PeeledSamples,
+    attack: _Attack | None,
+    reason: str,
+) -> Reconstruction:
+    """The :class:`Reconstruction` of the best selection (or of what was certified so far)."""
+    b, opts = setup.b, setup.options
+    rows = setup.problem.sparse_factor.shape[0]
+    stats = AttackStats(
+        proposals=0 if attack is None else attack.drawn,
+        candidates=1 if attack is None else len(attack.pool),
+        seconds=setup.elapsed,
+        seed=opts.seed,
+        proposer="none" if attack is None else attack.proposer.name,
+        stop_reason=reason,
+        threshold_count=setup.threshold,
+        tau=setup.threshold / rows,
+        certified=len(peeled),
+        dead_neurons=int((~setup.live).sum()),
+        certificate_seconds=gate.seconds,
+    )
+    notes = tuple(([] if attack is None else attack.notes) + ([] if gate.note is None else [gate.note]))
+    has_labels = bool((peeled.labels >= 0).any())
+    common = {
+        "batch_size": b,
+        "singular_values": setup.split.singular_values,
+        "stats": stats,
+        "mode": opts.sparsity,
+        "certified_inputs": peeled.inputs if len(peeled) else None,
+        "certified_labels": peeled.labels if len(peeled) and has_labels else None,
+        "notes": notes,
+    }
+    peeled_note = f"; {len(peeled)} sample(s) recovered and certified one by one" if len(peeled) else ""
+    drawn = stats.proposals
+    if selection is None:
+        return Reconstruction(
+            inputs=None,
+            grad_outputs=None,
+            sigma=float("nan"),
+            verified=False,
+            residual=float("inf"),
+            consistent_directions=0,
+            directions=None,
+            scales=None,
+            message=(
+                f"not recovered: {stats.candidates} exact candidate direction(s) found, fewer than the "
+                f"b={b} independent ones needed ({reason} after {drawn:,} proposals)"
+                f"{peeled_note}; raise max_proposals or time_budget"
+            ),
+            **common,
+        )
+    if verdict is None:  # not perfect: the recomputation says how far it is
+        (inputs, grad_outputs), check = setup.assemble_and_check(selection)
+        message = (
+            f"unverified: best selection has sigma={selection.sigma:.4f}, "
+            f"{selection.consistent_columns}/{b} directions consistent, residual "
+            f"{check.residual:.1e} ({reason} after {drawn:,} proposals){peeled_note}"
+        )
+        return Reconstruction(
+            inputs=inputs,
+            grad_outputs=grad_outputs,
+            sigma=selection.sigma,
+            verified=False,
+            residual=check.residual,
+            consistent_directions=selection.consistent_columns,
+            directions=selection.Qbar,
+            scales=selection.scales,
+            message=message,
+            **common,
+        )
+    if verdict.consistent:
+        message = verdict_message(verdict, b, gate.certifier is not None)
+    else:
+        message = (
+            f"unverified: sigma={selection.sigma:.4f} but the recomputed gradients differ (residual "
+            f"{verdict.check.residual:.1e} > {setup.tol.verify_rtol:g}; {reason} after {drawn:,} "
+            f"proposals){peeled_note}"
+        )
+    return Reconstruction(
+        inputs=verdict.inputs,
+        grad_outputs=verdict.grad_outputs,
+        sigma=selection.sigma,
+        verified=verdict.verified,
+        residual=verdict.check.residual,
+        consistent_directions=selection.consistent_columns,
+        directions=selection.Qbar,
+        scales=selection.scales,
+        message=message,
+        labels=verdict.labels,
+        multiplicities=verdict.reduction.multiplicities,
+        reduction=verdict.reduction.reduction,
+        client_batch_size=verdict.reduction.batch_size,
+        missing_samples=verdict.reduction.missing,
+        verified_by=verdict.verified_by,
+        consistent=verdict.consistent,
+        ambiguous=verdict.determinacy.groups,
+        **common,
+    )
+
+
+def _single_sample(setup: AttackSetup, gate: ModelGate) -> Reconstruction:
+    """b = 1: Q is 1 x 1, Theorem 3.6 alone gives the scale."""
+    factor = setup.problem.sparse_factor
+    Qbar = torch.ones(1, 1, dtype=factor.dtype, device=factor.device)
+    values = (factor @ Qbar).T
+    mask = zero_mask(values, setup.tol.zero_rtol)[None]
+    certain = zero_mask(values, setup.tol.zero_floor)[None]
+    sigma, valid, c, consistent = score(setup.problem, Qbar[None], mask, certain, setup.tol.z_rtol)
+    if not bool(valid[0]):
+        return finish(setup, None, None, gate, _no_peeled(setup), None, "trivial")
+    selection = Selection((0,), Qbar, c[0], float(sigma[0]), int(consistent[0]))
+    verdict = None
+    if selection.perfect:
+        assembled, check = setup.assemble_and_check(selection)
+        certified = torch.zeros(1, dtype=torch.bool, device=factor.device)
+        verdict = judge(selection, factor, certified, assembled, check, setup.tol, gate)
+    return finish(setup, selection, verdict, gate, _no_peeled(setup), None, "trivial")
+
+
+def _no_peeled(setup: AttackSetup) -> PeeledSamples:
+    factor = setup.problem.sparse_factor
+    return PeeledSamples.empty(setup.b, setup.problem.R.shape[1], factor.dtype, factor.device)
 
 
 def run_attack(
@@ -244,214 +692,19 @@ def run_attack(
     source_dtype: torch.dtype,
     next_grad_weight: torch.Tensor | None = None,
     next_weight: torch.Tensor | None = None,
+    certifier: SampleCertifier | None = None,
 ) -> Reconstruction:
-    """Run SPEAR on validated float tensors (all in ``options.dtype`` on ``options.device``);
-    ``next_grad_weight`` (the next linear layer's dL/dW', optional) feeds the next-layer proposer
-    and peeling; ``next_weight`` (its W', optional) peeling's residual next-layer gradient."""
-    start = time.perf_counter()
-    split = low_rank_split(
-        grad_weight, batch_size=options.batch_size, rank_rtol=options.rank_rtol, source_dtype=source_dtype
-    )
-    b = split.batch_size
-    problem = LayerProblem(
-        weight, bias, grad_bias, split.L, split.R, options.sparsity, next_grad_weight, next_weight
-    )
-    factor = problem.sparse_factor
-    rows = factor.shape[0]
-    zero_rtol = options.zero_rtol or DEFAULT_ZERO_RTOL.get(source_dtype, 1e-4)
-    verify_rtol = options.verify_rtol or DEFAULT_VERIFY_RTOL.get(source_dtype, 1e-3)
-    threshold = theory.sparsity_threshold_count(rows, options.p_fr)
-    proposer = make_proposer(options.proposer, options.chunk_size)
-    budget = options.max_proposals if options.max_proposals is not None else default_max_proposals(b)
-    peeler = _make_peeler(problem, options, source_dtype, verify_rtol)
-    peeled = PeeledSamples.empty(
-        b,
-        problem.R.shape[1],
-        factor.dtype,
-        factor.device,
-        None if peeler is None or peeler.back is None else peeler.U2.shape[0],
-    )
+    """Run SPEAR on validated float tensors (all in ``options.dtype`` on ``options.device``).
 
-    def finish(selection: Selection | None, drawn: int, n_cand: int, reason: str) -> Reconstruction:
-        stats = AttackStats(
-            proposals=drawn,
-            candidates=n_cand,
-            seconds=time.perf_counter() - start,
-            seed=options.seed,
-            proposer=proposer.name if b > 1 else "none",
-            stop_reason=reason,
-            threshold_count=threshold,
-            tau=threshold / rows,
-            certified=len(peeled),
-        )
-        certified_inputs = peeled.inputs if len(peeled) else None
-        peeled_note = f"; {len(peeled)} sample(s) recovered and certified one by one" if len(peeled) else ""
-        if selection is None:
-            return Reconstruction(
-                inputs=None,
-                grad_outputs=None,
-                batch_size=b,
-                sigma=float("nan"),
-                verified=False,
-                residual=float("inf"),
-                consistent_directions=0,
-                directions=None,
-                scales=None,
-                singular_values=split.singular_values,
-                stats=stats,
-                mode=options.sparsity,
-                message=(
-                    f"not recovered: {n_cand} exact candidate direction(s) found, fewer than the "
-                    f"b={b} independent ones needed ({reason} after {drawn:,} proposals)"
-                    f"{peeled_note}; raise max_proposals or time_budget"
-                ),
-                certified_inputs=certified_inputs,
-            )
-        inputs, grad_outputs = problem.assemble(selection.Qbar, selection.scales)
-        check = verify(
-            weight, bias, grad_weight, grad_bias, inputs, grad_outputs, options.sparsity, verify_rtol
-        )
-        if check.verified:
-            message = f"exact: all {b} inputs recovered and verified (residual {check.residual:.1e})"
-        else:
-            message = (
-                f"unverified: best selection has sigma={selection.sigma:.4f}, "
-                f"{selection.consistent_columns}/{b} directions consistent, residual "
-                f"{check.residual:.1e} > {verify_rtol:g} ({reason} after {drawn:,} proposals)"
-                f"{peeled_note}"
-            )
-        return Reconstruction(
-            inputs=inputs,
-            grad_outputs=grad_outputs,
-            batch_size=b,
-            sigma=selection.sigma,
-            verified=check.verified,
-            residual=check.residual,
-            consistent_directions=selection.consistent_columns,
-            directions=selection.Qbar,
-            scales=selection.scales,
-            singular_values=split.singular_values,
-            stats=stats,
-            message=message,
-            mode=options.sparsity,
-            certified_inputs=certified_inputs,
-        )
-
-    if b == 1:  # one sample: Q is 1 x 1, Theorem 3.6 alone gives the scale
-        Qbar = torch.ones(1, 1, dtype=factor.dtype, device=factor.device)
-        mask = zero_mask((factor @ Qbar).T, zero_rtol)
-        sigma, valid, c, consistent = score(problem, Qbar[None], mask[None])
-        selection = (
-            Selection((0,), Qbar, c[0], float(sigma[0]), int(consistent[0])) if bool(valid[0]) else None
-        )
-        return finish(selection, 0, 1, "trivial")
-
-    generator = torch.Generator(device="cpu").manual_seed(options.seed)
-    pool = CandidatePool(b, rows, dtype=factor.dtype, device=factor.device)
-    ctx = ProposalContext(
-        L=factor,
-        batch_size=b,
-        threshold_count=threshold,
-        generator=generator,
-        proposal_dtype=options.proposal_dtype,
-        found=pool.directions,
-        problem=problem,
-    )
-    # what the proposers work on: the whole problem, or the residual one of the samples not
-    # peeled yet, whose directions map back through ``basis`` (b x b_rest)
-    search, basis, peeled_at_move = ctx, None, 0
-    best: Selection | None = None
-    drawn = 0
-    reason = "budget"
-    # Lemma 5.1's q at a conservative 30% zeros per column (trained networks fall below the
-    # paper's 50%, Fig. 7): only a gradient with hardly any zeros exhausts this patience
-    patience = NO_SPARSITY_PATIENCE / (b * NO_SPARSITY_ZERO_RATE ** (b - 1))
-    try:
-        while drawn < budget:
-            if options.time_budget is not None and time.perf_counter() - start >= options.time_budget:
-                reason = "time budget"
-                break
-            if search.batch_size == 1:  # one sample left: its direction is the residual basis
-                batch = ProposalBatch(basis.new_ones(1, 1), n_drawn=1)
-            else:
-                batch = proposer.propose(search, budget - drawn)
-            drawn += batch.n_drawn
-            snapped = snap_and_filter(
-                search.L, batch.directions, batch.zero_hint, threshold, zero_rtol, known_masks=pool.zero_masks
-            )
-            if basis is not None:
-                snapped = _lift(snapped, basis)
-            fresh = None
-            if peeler is not None and snapped.directions.shape[0]:
-                certified, samples = peeler.peel(snapped.directions, snapped.zero_masks)
-                consistent = mutually_consistent(peeled, samples, verify_rtol)
-                certified[certified.nonzero()[:, 0][~consistent]] = False
-                snapped.certified, fresh = certified, samples.select(consistent)
-            known_before = int(pool.trusted_mask.sum())
-            added = pool.add(snapped)
-            if fresh is not None and len(fresh):
-                peeled.extend(fresh)
-            changed = added or int(pool.trusted_mask.sum()) != known_before
-            if changed:
-                ctx.found = pool.trusted  # proposers deflate against / guide from trusted candidates
-                ctx.known = int(pool.trusted_mask.sum())
-            if search.batch_size == 1 and (fresh is None or len(fresh) == 0):
-                search, basis = ctx, None  # the last sample did not certify: back to the whole problem
-                peeler = None
-            elif len(peeled) < b and len(peeled) - peeled_at_move >= max(
-                1, math.ceil(RESIDUAL_STEP * (b - peeled_at_move))
-            ):
-                rest, basis = residual_problem(problem, peeled)
-                search = ProposalContext(
-                    L=rest.L,
-                    batch_size=rest.batch_size,
-                    threshold_count=threshold,
-                    generator=generator,
-                    proposal_dtype=options.proposal_dtype,
-                    found=_residual_found(pool, basis),
-                    problem=rest,
-                    known=ctx.known,
-                )
-                peeled_at_move = len(peeled)
-            elif basis is not None and changed:
-                search.found, search.known = _residual_found(pool, basis), ctx.known
-            if changed and len(pool) >= b:
-                selection = greedy_filter(
-                    problem, pool.directions, pool.zero_masks, pool.zero_counts, certified=pool.certified
-                )
-                if selection is not None and (best is None or selection.sigma >= best.sigma):
-                    best = selection
-            if options.progress is not None:
-                options.progress(
-                    ProgressEvent(
-                        proposals=drawn,
-                        max_proposals=budget,
-                        candidates=len(pool),
-                        consistent_directions=best.consistent_columns if best else 0,
-                        batch_size=b,
-                        sigma=best.sigma if best else None,
-                        seconds=time.perf_counter() - start,
-                        certified=len(peeled),
-                    )
-                )
-            if best is not None and best.perfect and options.early_stop:
-                reason = "sigma=1"
-                break
-            if batch.exhausted:
-                reason = "exhausted"
-                break
-            if len(pool) == 0 and drawn >= patience and rows > 2 * b:
-                raise NoSparsityError(
-                    f"no ReLU-sparse direction in {drawn:,} proposals, although one is expected "
-                    f"every {patience / NO_SPARSITY_PATIENCE:,.0f} for b={b} even at 30% zeros: the "
-                    f"{'output gradient dL/dZ' if options.sparsity == 'output' else 'input X'} "
-                    "is not sparse. Is the layer "
-                    f"{'followed' if options.sparsity == 'output' else 'preceded'} by a ReLU? "
-                    "Otherwise try sparsity='input'/'output', or check the gradient was not noised."
-                )
-    except KeyboardInterrupt:
-        reason = "interrupted"
-    return finish(best, drawn, len(pool), reason)
+    ``next_grad_weight`` (the next linear layer's dL/dW', optional) feeds the next-layer
+    proposer and peeling; ``next_weight`` (its W', optional) peeling's residual next-layer
+    gradient; ``certifier`` (optional) checks samples one by one through the rest of the model
+    (:mod:`spear.core.certificate`)."""
+    layer = LayerTensors(weight, bias, grad_weight, grad_bias)
+    setup = AttackSetup.build(layer, options, source_dtype, next_grad_weight, next_weight)
+    if setup.b == 1:
+        return _single_sample(setup, ModelGate(certifier))
+    return _Attack(setup, certifier).run()
 
 
 __all__ = [

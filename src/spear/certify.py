@@ -1,0 +1,180 @@
+"""The model-level certificate: each recovered sample checked on its own through the rest of
+the network, and its label recovered.
+
+For a sample ``x_j`` of the attacked layer ``Z = W X + b`` and its recovered column
+``dL/dZ_j``, run ``z_j = W x_j + b`` forward through the rest of the model (the *tail*) and back,
+once per class ``y``: the per-sample loss gradient ``g_y = d loss(tail(z), y) / dz`` at ``z_j``.
+The sample is certified when, for exactly one label,
+
+    || dL/dZ_j - s g_y || <= rtol || dL/dZ_j ||   with a fitted weight s > 0,
+
+i.e. the recovered column is what that labelled sample contributes to the client's gradient
+(``s = 1/B`` for a batch mean over B samples, ``1`` for a sum, k times that for a sample present
+k times: :func:`spear.core.certificate.infer_reduction`). Samples are certified independently
+of each other, and mixtures of samples fail (softmax and the deeper ReLUs are nonlinear, so a
+combination of samples' gradients is not the gradient of the combined sample). It applies to
+any layer, first or later, whose tail is known: for ``nn.Sequential`` models (nested ones too)
+spear-fl finds it itself (:func:`model_tail`).
+
+Assumptions (when they fail, the attack notices and switches the certificate off, see
+:class:`spear.core.verdict.ModelGate`): a per-sample classification loss (cross-entropy by
+default, or any ``loss(logits, labels) -> per-sample losses``), and a tail without batch
+coupling (no batch-norm statistics, no dropout: it runs in eval mode).
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from spear.core.certificate import SampleCertificates
+from spear.errors import InputError
+
+#: how many numbers one batched gradient step may hold (samples x classes x width)
+CHUNK_ELEMENTS = 2**24
+#: modules that leave a Linear layer's (batch, features) output as it is
+PASS_THROUGH = (nn.Dropout, nn.Identity, nn.Flatten)
+#: activations after which dL/dZ has no zeros
+DENSE_ACTIVATIONS = (
+    nn.Tanh,
+    nn.Sigmoid,
+    nn.GELU,
+    nn.SiLU,
+    nn.ELU,
+    nn.LeakyReLU,
+    nn.Softplus,
+    nn.Mish,
+    nn.Hardtanh,
+    nn.Linear,
+)
+
+LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def _cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    return nn.functional.cross_entropy(logits, labels, reduction="none")
+
+
+def model_tail(model: nn.Module, layer: str) -> nn.Sequential | None:
+    """The modules after ``layer`` as one module from its output Z to the model's output, for
+    (nested) ``nn.Sequential`` models; None when the model is built otherwise (a custom
+    ``forward``), where the tail cannot be read off."""
+    container: nn.Module = model
+    rests: list[list[nn.Module]] = []
+    for name in layer.split(".") if layer else []:
+        if not isinstance(container, nn.Sequential):
+            return None
+        children = list(container.named_children())
+        names = [n for n, _ in children]
+        if name not in names:
+            return None
+        index = names.index(name)
+        rests.append([m for _, m in children[index + 1 :]])
+        container = children[index][1]
+    tail: list[nn.Module] = []
+    for rest in reversed(rests):
+        tail.extend(rest)
+    return nn.Sequential(*tail)
+
+
+def activation_after(tail: nn.Sequential) -> nn.Module | None:
+    """The first module of ``tail`` that changes the layer's output (None if there is none)."""
+    for module in tail:
+        if isinstance(module, PASS_THROUGH):
+            continue
+        return module
+    return None
+
+
+def check_sparsity_side(tail: nn.Sequential | None, layer: str, mode: str) -> None:
+    """A clear error when the model shows that the attacked side cannot be ReLU-sparse."""
+    if tail is None or mode != "output":
+        return
+    following = activation_after(tail)
+    if isinstance(following, DENSE_ACTIVATIONS):
+        from spear.errors import NoSparsityError
+
+        raise NoSparsityError(
+            f"layer {layer!r} is followed by {type(following).__name__}, not a ReLU: its output "
+            "gradient dL/dZ has no zeros, and SPEAR needs a ReLU after the layer (sparsity='output') "
+            "or before it (sparsity='input')"
+        )
+
+
+class ModelCertifier:
+    """Certifies samples of one layer through the rest of the model (see the module doc).
+
+    Args:
+        tail: the modules after the layer (its output Z -> the logits the loss sees).
+        weight, bias: the layer's W (m x n) and b (m,).
+        rtol: relative misfit up to which a sample is certified (the verification tolerance of
+            the gradient's dtype is the right scale).
+        loss: "cross_entropy" or a callable ``loss(logits, labels) -> per-sample losses``;
+            every label ``0..C-1`` (C = the tail's output width) is tried.
+    """
+
+    def __init__(
+        self,
+        tail: nn.Module,
+        weight: torch.Tensor,
+        bias: torch.Tensor,
+        rtol: float,
+        loss: str | LossFn = "cross_entropy",
+    ) -> None:
+        if isinstance(loss, str):
+            if loss != "cross_entropy":
+                raise InputError(f"unknown loss {loss!r}; use 'cross_entropy' or pass a callable")
+            loss = _cross_entropy
+        self.loss: LossFn = loss
+        self.weight = weight.detach().to(torch.float64)
+        self.bias = bias.detach().to(torch.float64)
+        self.tail = copy.deepcopy(tail).to(device=self.weight.device, dtype=torch.float64).eval()
+        for p in self.tail.parameters():
+            p.requires_grad_(False)
+        self.rtol = rtol
+        with torch.no_grad():
+            out = self.tail(self.bias[None])
+        if out.ndim != 2:
+            raise InputError(
+                f"the model after this layer outputs shape {tuple(out.shape)}, not (batch, classes)"
+            )
+        self.classes = int(out.shape[1])
+
+    def per_label_gradients(self, z: torch.Tensor) -> torch.Tensor:
+        """``d loss(tail(z_j), y) / dz`` for k pre-activations (k, m) and every label: (k, C, m)."""
+        k, m = z.shape
+        C = self.classes
+        rep = z.repeat_interleave(C, dim=0).detach().requires_grad_(True)
+        labels = torch.arange(C, device=z.device).repeat(k)
+        with torch.enable_grad():
+            loss = self.loss(self.tail(rep), labels).sum()
+            (grad,) = torch.autograd.grad(loss, rep)
+        return grad.view(k, C, m)
+
+    def __call__(self, inputs: torch.Tensor, grad_outputs: torch.Tensor) -> SampleCertificates:
+        """Certificates of k samples (inputs (k, n), their dL/dZ columns (k, m))."""
+        x = inputs.detach().to(self.weight)
+        d = grad_outputs.detach().to(self.weight)
+        k, m = d.shape
+        out = SampleCertificates.none(k, device=x.device)
+        chunk = max(1, CHUNK_ELEMENTS // (self.classes * m))
+        for part in torch.arange(k, device=x.device).split(chunk):
+            g = self.per_label_gradients(x[part] @ self.weight.T + self.bias)  # (p, C, m)
+            dp = d[part].unsqueeze(1)
+            weight = (g * dp).sum(dim=-1) / (g * g).sum(dim=-1).clamp_min(torch.finfo(g.dtype).tiny)
+            misfit = (dp - weight.unsqueeze(-1) * g).norm(dim=-1) / dp.norm(dim=-1).clamp_min(1e-300)
+            misfit = torch.where(weight > 0, misfit, torch.inf)
+            best, label = misfit.min(dim=1)
+            if self.classes > 1:
+                runner_up = misfit.topk(2, dim=1, largest=False).values[:, 1]
+            else:
+                runner_up = torch.full_like(best, torch.inf)
+            ok = (best <= self.rtol) & (runner_up > self.rtol)
+            out.ok[part] = ok
+            out.labels[part] = torch.where(ok, label, -1)
+            out.weights[part] = torch.where(ok, weight.gather(1, label[:, None])[:, 0], torch.nan)
+            out.misfit[part] = best
+        return out

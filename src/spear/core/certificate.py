@@ -1,0 +1,110 @@
+"""Per-sample certificates from outside the layer: the interface the attack calls.
+
+A layer's gradient alone cannot separate samples that share their ReLU pattern (see
+:mod:`spear.core.consistency`). The rest of the model can: a recovered sample ``x_j`` with its
+column ``dL/dZ_j`` is genuine only if some label ``y`` gives, through the rest of the network,
+a per-sample loss gradient at this layer equal to ``dL/dZ_j`` up to the loss weight of one
+sample (1/B for a batch mean). The attack core only sees the interface below; the model-level
+implementation lives in :mod:`spear.certify` (it needs the torch model, the core does not).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+#: loss weights within this (relative) of k/B or of an integer k count as such
+WEIGHT_RTOL = 1e-6
+
+
+@dataclass(frozen=True)
+class SampleCertificates:
+    """The certificate of k samples.
+
+    Attributes:
+        ok: (k,) bool, the sample's column is its per-sample gradient for some label.
+        labels: (k,) long, that label (-1 where none fits).
+        weights: (k,) the fitted loss weight ``s`` with ``dL/dZ_j = s * grad_z loss(x_j, y)``
+            (1/B for a mean over B samples, 1 for a sum; k times that for a sample present k
+            times), NaN where none fits.
+        misfit: (k,) relative misfit ``|dL/dZ_j - s g| / |dL/dZ_j|`` of the best label.
+    """
+
+    ok: torch.Tensor
+    labels: torch.Tensor
+    weights: torch.Tensor
+    misfit: torch.Tensor
+
+    @classmethod
+    def none(cls, k: int, device: torch.device | str = "cpu") -> SampleCertificates:
+        """k samples without a certificate."""
+        return cls(
+            torch.zeros(k, dtype=torch.bool, device=device),
+            torch.full((k,), -1, dtype=torch.long, device=device),
+            torch.full((k,), math.nan, dtype=torch.float64, device=device),
+            torch.full((k,), math.inf, dtype=torch.float64, device=device),
+        )
+
+
+class SampleCertifier(Protocol):
+    """Checks recovered samples one by one.
+
+    Called with the samples (k, n) of the attacked layer and their columns of dL/dZ (k, m), in
+    the layer's full output width.
+    """
+
+    def __call__(self, inputs: torch.Tensor, grad_outputs: torch.Tensor) -> SampleCertificates: ...
+
+
+@dataclass(frozen=True)
+class BatchReduction:
+    """How the client's loss combined its samples, read off the fitted weights.
+
+    Attributes:
+        reduction: "mean" (weights k_j / B), "sum" (integer weights k_j), or None when the
+            weights fit neither (then the other fields are None).
+        multiplicities: (b,) how many times each recovered sample occurs in the batch: an exact
+            duplicate makes one column (the batch's rank drops by one) with k times the weight.
+        batch_size: the client's batch size B, counting duplicates and (for a mean) samples that
+            left no trace in this layer; None for a sum.
+        missing: B minus the samples recovered (with multiplicity): samples for which every
+            neuron of the layer is inactive contribute nothing to its gradient, but a mean's 1/B
+            still counts them. None for a sum.
+    """
+
+    reduction: str | None
+    multiplicities: torch.Tensor | None
+    batch_size: int | None
+    missing: int | None = None
+
+
+#: a batch size read off a mean is accepted within this distance of an integer
+BATCH_SIZE_ATOL = 0.25
+
+
+def infer_reduction(weights: torch.Tensor, rtol: float = WEIGHT_RTOL) -> BatchReduction:
+    """Mean or sum reduction, multiplicities and the client's batch size from the loss weights of
+    the b recovered samples (see :class:`BatchReduction`); ``rtol`` is the weights' precision."""
+    none = BatchReduction(None, None, None)
+    w = weights.detach().double().cpu()
+    if w.numel() == 0 or not bool(torch.isfinite(w).all()) or bool((w <= 0).any()):
+        return none
+    ratio = w / w.min()
+    k = ratio.round()
+    if not bool(((ratio - k).abs() <= rtol * ratio).all()):
+        return none
+    recovered = int(k.sum())
+    size = recovered / float(w.sum())  # a mean has w_j = k_j / B, so B = sum k / sum w
+    whole = round(size)
+    if (
+        abs(size - whole) <= BATCH_SIZE_ATOL
+        and whole >= recovered
+        and bool(((w * whole - k).abs() <= rtol * k).all())
+    ):
+        return BatchReduction("mean", k.long(), whole, whole - recovered)
+    if bool(((w - w.round()).abs() <= rtol * w).all()) and bool((w.round() >= 1).all()):
+        return BatchReduction("sum", w.round().long(), None, None)
+    return none

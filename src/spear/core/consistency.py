@@ -1,0 +1,208 @@
+"""What "consistent" and "determined" mean for one layer: tolerances, ReLU-pattern matching both
+ways, and which samples this layer's gradient alone cannot pin down.
+
+**Tolerances.** Every threshold scales with the precision the gradient was computed in
+(:class:`Tolerances`). An entry of ``dL/dZ`` (a column ``L q``) is
+
+* *zero* when ``|.| <= zero_rtol * max`` (what the sparsity filter counts),
+* *certainly zero* when ``|.| <= zero_floor * max`` (below the rounding noise of the data),
+* *certainly nonzero* when ``|.| > zero_rtol * max``;
+
+between ``zero_floor`` and ``zero_rtol`` it is a tiny genuine value or rounding noise, and the
+data cannot tell which. A pre-activation ``z`` has a sign only when ``|z| > z_rtol * max|z|``.
+
+**Consistency both ways** (:func:`pattern_matches`). A true sample has ``dL/dZ_ij = 0`` wherever
+``z_ij <= 0`` (the ReLU's backward pass: exact) and, generically, ``dL/dZ_ij != 0`` wherever
+``z_ij > 0``. An entry contradicts the ReLU when ``z`` is clearly negative and ``dL/dZ`` certainly
+nonzero, or ``z`` clearly positive and ``dL/dZ`` certainly zero. Entries inside the tolerance
+bands contradict nothing: a float32 gradient's tiny true entries (1e-6 of a column's maximum)
+then no longer hold sigma below 1 (Definition 4.1, made tolerance-aware).
+
+**Determined** (:func:`ambiguous_groups`). Any invertible Q reproduces dL/dW, so consistency
+alone is not uniqueness. A column is *pinned* when ``L`` restricted to its zero set has a
+one-dimensional kernel that survives deleting any single row (no *essential* row): then, for
+gradients in general position (no exact cancellations between different samples' nonzero
+entries), it is the only vector of ``col(L)`` with that zero set, and no mixture of columns can
+be (a mixture of t columns vanishes on the intersection of their zero sets plus t - 1
+coincidental rows, each of them essential). A batch whose columns are all pinned is the only
+consistent one. Columns that are not pinned form *ambiguous groups*: samples that share (nearly)
+the same activation pattern, whose span alone this layer determines, or whose zero set is too
+small to pin anything (narrow layers). General position fails when two samples' columns are
+proportional on the rows where both are nonzero (e.g. right below an output of width 1 or 2);
+such pairs are reported as ambiguous too.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from spear.core.filtering import DEFAULT_ZERO_RTOL, KERNEL_GAP_RTOL, kernel_of_rows
+from spear.core.verify import DEFAULT_VERIFY_RTOL
+
+#: the floor below which an entry is certainly zero, as a fraction of ``zero_rtol``
+ZERO_FLOOR_FRACTION = 1e-3
+#: the band of undetermined pre-activation signs, as a fraction of ``verify_rtol``
+Z_RTOL_FRACTION = 0.1
+#: two columns whose 2 x 2 Gram matrix on their common support has s_2 / s_1 below this are
+#: proportional there (general position fails for the pair)
+PROPORTIONAL_RTOL = 1e-12
+
+
+@dataclass(frozen=True)
+class Tolerances:
+    """Every threshold of one attack, derived from the dtype the gradient was computed in.
+
+    Attributes:
+        zero_rtol: entries of a column at most this times its max count as zero.
+        zero_floor: entries at most this times the max are certainly zero (rounding noise).
+        z_rtol: pre-activations at most this times the column's max |z| have no sign.
+        verify_rtol: relative error of the recomputed gradients that still verifies.
+    """
+
+    zero_rtol: float
+    zero_floor: float
+    z_rtol: float
+    verify_rtol: float
+
+    @classmethod
+    def for_dtype(
+        cls, source_dtype: torch.dtype, zero_rtol: float | None = None, verify_rtol: float | None = None
+    ) -> Tolerances:
+        """Defaults for ``source_dtype``, overridden by the user's ``zero_rtol`` / ``verify_rtol``.
+
+        float64 and float32 have measured defaults (``DEFAULT_ZERO_RTOL``,
+        ``DEFAULT_VERIFY_RTOL``); half precisions (float16, bfloat16), whose true zeros of
+        ``L q`` reach about 0.3 eps of a column's maximum, count entries up to eps as zero
+        and verify to 10 eps.
+        """
+        eps = torch.finfo(source_dtype).eps
+        zero = zero_rtol if zero_rtol is not None else DEFAULT_ZERO_RTOL.get(source_dtype, eps)
+        verify = verify_rtol if verify_rtol is not None else DEFAULT_VERIFY_RTOL.get(source_dtype, 10 * eps)
+        return cls(zero, zero * ZERO_FLOOR_FRACTION, verify * Z_RTOL_FRACTION, verify)
+
+
+def pattern_matches(
+    z_t: torch.Tensor, zero: torch.Tensor, certain_zero: torch.Tensor | None, z_rtol: float
+) -> torch.Tensor:
+    """Which entries agree with the ReLU, both ways (see the module doc).
+
+    Args:
+        z_t: pre-activations (..., b, rows).
+        zero: (..., b, rows) entries of dL/dZ counted as zero (``<= zero_rtol``).
+        certain_zero: entries certainly zero (``<= zero_floor``); None: the same as ``zero``.
+        z_rtol: |z| at most this times the column's max |z| has no sign.
+    """
+    certain_zero = zero if certain_zero is None else certain_zero
+    band = z_rtol * z_t.abs().amax(dim=-1, keepdim=True)
+    positive, negative = z_t > band, z_t < -band
+    contradiction = (negative & ~zero) | (positive & certain_zero)
+    return ~contradiction
+
+
+@dataclass(frozen=True)
+class Determinacy:
+    """Which columns of a selection this layer's gradient pins down (see the module doc).
+
+    Attributes:
+        pinned: (b,) bool, the column's zero set has a robust one-dimensional kernel.
+        groups: ambiguous groups (sorted tuples of column indices); empty when all are pinned.
+        reasons: one human-readable reason per group.
+    """
+
+    pinned: torch.Tensor
+    groups: tuple[tuple[int, ...], ...]
+    reasons: tuple[str, ...]
+
+    @property
+    def determined(self) -> bool:
+        return not self.groups
+
+
+def _union(groups: list[set[int]]) -> list[set[int]]:
+    """Merge overlapping sets."""
+    merged: list[set[int]] = []
+    for g in groups:
+        g = set(g)
+        for other in [m for m in merged if m & g]:
+            g |= other
+            merged.remove(other)
+        merged.append(g)
+    return merged
+
+
+def proportional_pairs(grad_outputs: torch.Tensor, zero: torch.Tensor) -> list[tuple[int, int]]:
+    """Pairs of columns (m x b) that are proportional on >= 2 rows where both are nonzero: for
+    them a mixture vanishes on every common row, and general position fails."""
+    D = grad_outputs * (~zero).to(grad_outputs.dtype)
+    M = (~zero).to(D.dtype)
+    sq = D**2
+    own = sq.T @ M  # own[j, k] = sum over rows where k is nonzero of D_j^2
+    cross = D.T @ D
+    common = M.T @ M
+    det = own * own.T - cross**2
+    tiny = PROPORTIONAL_RTOL * (own * own.T)
+    hits = (det <= tiny) & (common >= 2)
+    hits.fill_diagonal_(False)
+    return [(int(j), int(k)) for j, k in hits.nonzero().tolist() if j < k]
+
+
+def ambiguous_groups(
+    L: torch.Tensor, directions: torch.Tensor, zero: torch.Tensor, certified: torch.Tensor | None = None
+) -> Determinacy:
+    """Pinned columns and ambiguous groups of a selection.
+
+    Args:
+        L: the sparse-side factor (rows x b).
+        directions: (b, b) unit directions, one per row (the columns of Q up to scale).
+        zero: (b, rows) their zero masks (``<= zero_rtol``).
+        certified: (b,) bool, columns whose samples were already certified one by one (by
+            peeling's two-layer certificate): they are never part of a group.
+    """
+    b = directions.shape[0]
+    _, one_dim, robust = kernel_of_rows(L, zero)
+    pinned = one_dim & robust
+    sure = torch.zeros(b, dtype=torch.bool, device=L.device) if certified is None else certified.to(L.device)
+    groups: list[set[int]] = []
+    reasons: list[str] = []
+    if b > 1:
+        for j in (~pinned & ~sure).nonzero()[:, 0].tolist():
+            sharing = _sharing_kernel(L, directions, zero[j], j)
+            groups.append({j, *[k for k in sharing if not bool(sure[k])]})
+    pairs = proportional_pairs(L @ directions.T, zero.T)
+    groups += [set(p) for p in pairs if not bool(sure[p[0]] | sure[p[1]])]
+    merged = sorted((tuple(sorted(g)) for g in _union(groups)), key=lambda g: g[0])
+    for g in merged:
+        sizes = [int(zero[j].sum()) for j in g]
+        if len(g) == 1:
+            reasons.append(
+                f"sample {g[0]}: its {sizes[0]} zero rows do not pin its direction (b={b}; a mixture "
+                "of it with others fits them as well)"
+            )
+        else:
+            reasons.append(
+                f"samples {list(g)} share (nearly) one activation pattern: this layer determines only "
+                "their span"
+            )
+    return Determinacy(pinned, tuple(merged), tuple(reasons))
+
+
+def _sharing_kernel(L: torch.Tensor, directions: torch.Tensor, rows: torch.Tensor, j: int) -> list[int]:
+    """Other selected columns that vanish on the non-essential part of column j's zero set (they
+    lie in the kernel that should have pinned j)."""
+    sub = L[rows]
+    if sub.shape[0] == 0:
+        return [k for k in range(directions.shape[0]) if k != j]
+    U, S, Vh = torch.linalg.svd(sub, full_matrices=True)
+    rank = int((KERNEL_GAP_RTOL * S[0] < S).sum()) if S.numel() else 0
+    if rank:
+        leverage = (U[:, :rank] ** 2).sum(dim=1)
+        keep = leverage < 1.0 - 1e-6
+        if bool(keep.any()) and not bool(keep.all()):
+            sub = sub[keep]
+            _, S, Vh = torch.linalg.svd(sub, full_matrices=True)
+            rank = int((KERNEL_GAP_RTOL * S[0] < S).sum()) if S.numel() else 0
+    kernel = Vh[rank:]  # (dim, b)
+    inside = (directions @ kernel.T).norm(dim=1) >= 1.0 - 1e-6
+    return [k for k in inside.nonzero()[:, 0].tolist() if k != j]

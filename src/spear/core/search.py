@@ -1,0 +1,108 @@
+"""Where the proposers search: the whole layer, or the residual problem of the samples that
+peeling has not recovered yet (:mod:`spear.core.peeling`, step 4)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+
+import torch
+
+from spear.core.consistency import Tolerances
+from spear.core.filtering import CandidatePool, SnapResult, canonical_sign, snap_and_filter
+from spear.core.peeling import PeeledSamples, residual_problem
+from spear.core.proposers import DirectionProposer, ProposalBatch, ProposalContext
+
+#: the search moves on to the residual problem of the unrecovered samples once this fraction of
+#: them has been peeled since the last move (each move makes the proposers start afresh)
+RESIDUAL_STEP = 0.1
+
+
+def lift(snapped: SnapResult, basis: torch.Tensor) -> SnapResult:
+    """Directions of a residual problem (k x b') as directions of the full one (k x b); the
+    zero masks are the same, since ``L B q' = L q``."""
+    q = snapped.directions @ basis.T
+    return replace(snapped, directions=canonical_sign(q / q.norm(dim=1, keepdim=True)))
+
+
+def residual_found(pool: CandidatePool, basis: torch.Tensor) -> torch.Tensor:
+    """The pool's trusted, not yet peeled directions that belong to the residual problem (they
+    lie in the span of ``basis``), in its coordinates."""
+    q = pool.directions[pool.trusted_mask & ~pool.certified]
+    coords = q @ basis
+    inside = coords.norm(dim=1) >= 1.0 - 1e-9
+    return coords[inside] / coords[inside].norm(dim=1, keepdim=True)
+
+
+class ResidualSearch:
+    """The proposers' current problem.
+
+    It starts as the whole layer (``root``). Once enough samples were peeled, it becomes the
+    residual SPEAR problem of the others, whose directions map back through ``basis``
+    (b x b_rest); with one sample left, that sample's direction is the basis itself.
+
+    Attributes:
+        root: the whole layer's proposal context (its ``found`` / ``known`` track the pool).
+        ctx: the context the proposers work on now.
+        basis: None on the whole layer, else the residual problem's basis.
+    """
+
+    def __init__(self, root: ProposalContext) -> None:
+        self.root = root
+        self.ctx = root
+        self.basis: torch.Tensor | None = None
+        self._peeled_at_move = 0
+
+    @property
+    def on_last_sample(self) -> bool:
+        return self.basis is not None and self.ctx.batch_size == 1
+
+    def propose(self, proposer: DirectionProposer, remaining: int) -> ProposalBatch:
+        if self.on_last_sample:
+            assert self.basis is not None
+            return ProposalBatch(self.basis.new_ones(1, 1), n_drawn=1)
+        return proposer.propose(self.ctx, remaining)
+
+    def snap(self, batch: ProposalBatch, tol: Tolerances, known: torch.Tensor) -> SnapResult:
+        """Exact directions of the whole layer from a batch of proposals on the current one."""
+        snapped = snap_and_filter(
+            self.ctx.L,
+            batch.directions,
+            batch.zero_hint,
+            self.root.threshold_count,
+            tol.zero_rtol,
+            known_masks=known,
+            zero_floor=tol.zero_floor,
+        )
+        return snapped if self.basis is None else lift(snapped, self.basis)
+
+    def update(self, pool: CandidatePool, peeled: PeeledSamples, changed: bool, fresh: int) -> bool:
+        """After a step: track the pool, and move to (or within) the residual problem.
+
+        Returns False when the last sample's direction did not certify: the search is back on
+        the whole layer and peeling should stop."""
+        if changed:  # proposers deflate against / guide from the trusted candidates
+            self.root.found = pool.trusted
+            self.root.known = int(pool.trusted_mask.sum())
+        b = self.root.batch_size
+        if self.on_last_sample and fresh == 0:
+            self.ctx, self.basis = self.root, None
+            return False
+        moved = len(peeled) - self._peeled_at_move
+        if len(peeled) < b and moved >= max(1, math.ceil(RESIDUAL_STEP * (b - self._peeled_at_move))):
+            assert self.root.problem is not None
+            rest, self.basis = residual_problem(self.root.problem, peeled)
+            self.ctx = ProposalContext(
+                L=rest.L,
+                batch_size=rest.batch_size,
+                threshold_count=self.root.threshold_count,
+                generator=self.root.generator,
+                proposal_dtype=self.root.proposal_dtype,
+                found=residual_found(pool, self.basis),
+                problem=rest,
+                known=self.root.known,
+            )
+            self._peeled_at_move = len(peeled)
+        elif self.basis is not None and changed:
+            self.ctx.found, self.ctx.known = residual_found(pool, self.basis), self.root.known
+        return True

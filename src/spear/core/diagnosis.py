@@ -78,33 +78,11 @@ def probe_sparse_directions(
         )
         if loose.zero_counts.numel():
             sparsest = max(sparsest, int(loose.zero_counts.max()))
-        keep = loose.zero_counts >= ctx.threshold_count
-        found.append(
-            SnapResult(
-                loose.directions[keep],
-                loose.zero_masks[keep],
-                loose.zero_counts[keep],
-                None if loose.robust is None else loose.robust[keep],
-                certain_zero=None if loose.certain_zero is None else loose.certain_zero[keep],
-            )
-        )
+        found.append(loose.select(loose.zero_counts >= ctx.threshold_count))
     if not found:
         nothing = ctx.L.new_empty(0, ctx.batch_size)
         return ProbeResult(snap_and_filter(ctx.L, nothing, None, ctx.threshold_count, zero_rtol), 0)
-    return ProbeResult(_concat(found), sparsest)
-
-
-def _concat(parts: list[SnapResult]) -> SnapResult:
-    def cat(name: str) -> torch.Tensor:
-        return torch.cat([getattr(p, name) for p in parts])
-
-    return SnapResult(
-        cat("directions"),
-        cat("zero_masks"),
-        cat("zero_counts"),
-        cat("robust"),
-        certain_zero=cat("certain_zero"),
-    )
+    return ProbeResult(SnapResult.concat(found), sparsest)
 
 
 def no_sparsity_message(b: int, rows: int, mode: str, calls: int) -> str:

@@ -125,6 +125,33 @@ class SnapResult:
     certified: torch.Tensor | None = None  # (k,) bool: its sample was peeled (core.peeling)
     certain_zero: torch.Tensor | None = None  # (k, rows) bool: entries below the noise floor
 
+    def select(self, keep: torch.Tensor) -> SnapResult:
+        """The directions where ``keep`` (bool or indices) holds."""
+
+        def pick(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else t[keep]
+
+        return SnapResult(
+            self.directions[keep],
+            self.zero_masks[keep],
+            self.zero_counts[keep],
+            pick(self.robust),
+            pick(self.certified),
+            pick(self.certain_zero),
+        )
+
+    @staticmethod
+    def concat(parts: list[SnapResult]) -> SnapResult:
+        """One result of several (optional fields become None unless every part has them)."""
+
+        def cat(name: str) -> torch.Tensor | None:
+            values = [getattr(p, name) for p in parts]
+            return None if any(v is None for v in values) else torch.cat(values)
+
+        directions, masks, counts = cat("directions"), cat("zero_masks"), cat("zero_counts")
+        assert directions is not None and masks is not None and counts is not None
+        return SnapResult(directions, masks, counts, cat("robust"), cat("certified"), cat("certain_zero"))
+
 
 def snap_and_filter(
     L: torch.Tensor,

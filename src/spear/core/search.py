@@ -9,13 +9,22 @@ from dataclasses import replace
 import torch
 
 from spear.core.consistency import Tolerances
-from spear.core.filtering import CandidatePool, SnapResult, canonical_sign, snap_and_filter
+from spear.core.filtering import (
+    CandidatePool,
+    SnapResult,
+    canonical_sign,
+    kernel_of_rows,
+    snap_and_filter,
+)
 from spear.core.peeling import PeeledSamples, residual_problem
 from spear.core.proposers import DirectionProposer, ProposalBatch, ProposalContext
 
 #: the search moves on to the residual problem of the unrecovered samples once this fraction of
 #: them has been peeled since the last move (each move makes the proposers start afresh)
 RESIDUAL_STEP = 0.1
+#: a residual problem's first snap keeps directions with this fraction of the threshold's zeros
+#: (the exact re-solve on the whole layer applies the threshold itself)
+RESIDUAL_THRESHOLD = 0.8
 
 
 def lift(snapped: SnapResult, basis: torch.Tensor) -> SnapResult:
@@ -64,17 +73,46 @@ class ResidualSearch:
         return proposer.propose(self.ctx, remaining)
 
     def snap(self, batch: ProposalBatch, tol: Tolerances, known: torch.Tensor) -> SnapResult:
-        """Exact directions of the whole layer from a batch of proposals on the current one."""
+        """Exact directions of the whole layer from a batch of proposals on the current one.
+
+        On a residual problem the proposals are snapped there first (their hints are row sets of
+        its b' dimensions), with a relaxed threshold: subtracting the peeled samples leaves
+        rounding errors of ~1e-10 on true zeros. Lifted to the whole layer, each is solved again
+        exactly on that zero set, where the usual threshold applies (except for the last
+        sample's forced direction)."""
+        threshold = self.root.threshold_count
+        if self.basis is not None:
+            threshold = max(self.ctx.batch_size - 1, math.floor(RESIDUAL_THRESHOLD * threshold))
         snapped = snap_and_filter(
             self.ctx.L,
             batch.directions,
             batch.zero_hint,
-            self.root.threshold_count,
+            threshold,
+            tol.zero_rtol,
+            known_masks=None if self.basis is not None else known,
+            zero_floor=tol.zero_floor,
+        )
+        if self.basis is None:
+            return snapped
+        lifted = lift(snapped, self.basis)
+        # the last sample's direction is forced (no search, so no false acceptance to bound):
+        # any column pinned by its zeros goes on to be certified by peeling or the model
+        final = self.root.batch_size - 1 if self.on_last_sample else self.root.threshold_count
+        _, pinned, _ = kernel_of_rows(self.root.L, lifted.zero_masks)
+        exact = snap_and_filter(
+            self.root.L,
+            lifted.directions[pinned],
+            lifted.zero_masks[pinned],
+            final,
             tol.zero_rtol,
             known_masks=known,
             zero_floor=tol.zero_floor,
         )
-        return snapped if self.basis is None else lift(snapped, self.basis)
+        # a zero set that a peeled sample shares has a larger kernel in the whole layer: only
+        # the residual problem (which excludes the peeled, certified samples) pins that
+        # direction, and its robustness there is what counts
+        shared = lifted.select(~pinned & (lifted.zero_counts >= final))
+        return SnapResult.concat([exact, shared])
 
     def update(self, pool: CandidatePool, peeled: PeeledSamples, changed: bool, fresh: int) -> bool:
         """After a step: track the pool, and move to (or within) the residual problem.

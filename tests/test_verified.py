@@ -1,0 +1,416 @@
+"""Adversarial cases for the promise of ``verified``: it is never True for a wrong batch, and the
+honest cases still verify (issue: "Verified must never be wrong").
+
+Every case builds its own network and batch and checks the result against the truth after
+order-invariant matching. The invariant everywhere: ``verified`` implies exact.
+"""
+
+from dataclasses import dataclass
+
+import pytest
+import torch
+from tests.conftest import make_client, match_rows
+
+import spear
+from spear.errors import InputError, NoSparsityError
+
+
+@dataclass
+class Batch:
+    model: torch.nn.Sequential
+    x: torch.Tensor
+    y: torch.Tensor
+    grads: dict
+    dz: torch.Tensor  # (b, m) true dL/dZ of the attacked layer
+
+
+def make_batch(x, y, model, module=0, reduction="mean"):
+    """The batch's gradients, and dL/dZ of the linear layer ``model[module]``."""
+    z = model[: module + 1](x)
+    z.retain_grad()
+    loss = torch.nn.functional.cross_entropy(model[module + 1 :](z), y, reduction=reduction)
+    model.zero_grad()
+    loss.backward()
+    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+    return Batch(model, x, y, grads, z.grad.detach().clone())
+
+
+def mlp(n, width, depth=3, classes=10, seed=0, init="default", dtype=torch.float64):
+    return spear.fl.fully_connected(n, width, depth, classes, init=init, seed=seed, dtype=dtype)
+
+
+def gaussian(b, n, seed):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(b, n, generator=g, dtype=torch.float64), torch.randint(0, 10, (b,), generator=g)
+
+
+def exact(estimate, truth, rtol=1e-6):
+    if estimate is None or estimate.shape != truth.shape:
+        return False
+    r, c = match_rows(estimate, truth)
+    return float((estimate[r] - truth[c]).abs().max()) <= rtol * float(truth.abs().max())
+
+
+def labels_exact(rec, x, y):
+    r, c = match_rows(rec.inputs, x)
+    return bool(torch.equal(rec.labels[r], y[c]))
+
+
+def assert_promise(rec, truth, rtol=1e-6):
+    """The invariant: verified implies an exact batch, and never "exact" in an unverified message."""
+    if rec.verified:
+        assert exact(rec.inputs, truth, rtol), rec.message
+    else:
+        assert not rec.message.startswith("exact"), rec.message
+
+
+def layer_args(batch, layer=0):
+    lin = batch.model[2 * layer]
+    return lin.weight, lin.bias, batch.grads[f"{2 * layer}.weight"], batch.grads[f"{2 * layer}.bias"]
+
+
+# --- shared and nearly shared ReLU patterns ----------------------------------------------------
+
+
+def near_duplicate(eps, b=8, seed=0):
+    x, y = gaussian(b, 784, seed)
+    g = torch.Generator().manual_seed(seed + 100)
+    x[1] = x[0] + eps * torch.randn(784, generator=g, dtype=torch.float64)
+    return make_batch(x, y, mlp(784, 200, seed=seed))
+
+
+def test_shared_pattern_is_never_verified_and_no_mixture_is_certified():
+    # x1 = x0 + 1e-3 noise: the same layer-0 pattern, so this layer determines only their span
+    batch = near_duplicate(1e-3)
+    layer_only = spear.reconstruct(*layer_args(batch), max_proposals=50_000)
+    with_model = spear.attack_layer(batch.model, "0", batch.grads, max_proposals=50_000)
+    for rec in (layer_only, with_model):
+        assert not rec.verified
+        assert_promise(rec, batch.x)
+    # every sample certified one by one is a true one (a mixture like -9.7 x0 + 10.7 x1 was)
+    assert with_model.certified_inputs is not None and len(with_model.certified_inputs) >= 4
+    for row in with_model.certified_inputs:
+        assert float((batch.x - row).abs().amax(dim=1).min()) < 1e-8
+
+
+def test_nearly_shared_pattern_is_certified_through_the_model():
+    # patterns that differ in a few neurons: the layer alone cannot pin the pair, the model can
+    batch = near_duplicate(3e-2)
+    layer_rec = spear.reconstruct(*layer_args(batch), max_proposals=50_000)
+    assert_promise(layer_rec, batch.x)
+    rec = spear.attack_layer(batch.model, "0", batch.grads, max_proposals=50_000)
+    assert rec.verified and rec.verified_by == "model", rec.message
+    assert exact(rec.inputs, batch.x, 1e-10) and labels_exact(rec, batch.x, batch.y)
+
+
+def test_layer_level_reports_the_ambiguous_samples():
+    # construct the ambiguity directly: two samples with one activation pattern
+    batch = near_duplicate(1e-4, b=6, seed=3)
+    rec = spear.reconstruct(*layer_args(batch), max_proposals=20_000, early_stop=True)
+    assert not rec.verified
+    if rec.consistent:  # a consistent selection names what is undetermined
+        assert rec.ambiguous and "not determined" in rec.message
+
+
+# --- narrow layers over many seeds --------------------------------------------------------------
+
+
+def narrow_case(seed, b, m, n=12):
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(n, m), torch.nn.ReLU(), torch.nn.Linear(m, m), torch.nn.ReLU(), torch.nn.Linear(m, 4)
+    ).double()
+    x = torch.randn(b, n, dtype=torch.float64)
+    y = torch.randint(0, 4, (b,))
+    return make_batch(x, y, model)
+
+
+def visible(batch):
+    """The samples this layer's gradient holds: nonzero columns of dL/dZ."""
+    return batch.dz.abs().amax(dim=1) > 0
+
+
+@pytest.mark.parametrize("use_model", [False, True])
+def test_narrow_layers_never_verify_a_wrong_batch(use_model):
+    verified = 0
+    for seed in range(30):
+        for b in range(2, 6):
+            batch = narrow_case(seed, b, b + 2 + seed % 7)
+            seen = visible(batch)
+            # the layer-level claim assumes what its docs say: the visible samples' columns of
+            # dL/dZ are independent (rank dL/dW = batch size); the model-level one assumes nothing
+            independent = int(torch.linalg.matrix_rank(batch.dz[seen])) == int(seen.sum())
+            if not use_model and not independent:
+                continue
+            try:
+                if use_model:
+                    rec = spear.attack_layer(batch.model, "0", batch.grads, max_proposals=5_000)
+                else:
+                    rec = spear.reconstruct(*layer_args(batch), max_proposals=5_000)
+            except spear.SpearError:
+                continue  # e.g. RankError: fewer active neurons than samples
+            assert_promise(rec, batch.x[seen])
+            verified += rec.verified
+    # the honest cases still verify; the layer alone rarely pins a sample in layers this narrow
+    # (zero sets of ~m/2 <= 7 rows), the model certifies most
+    assert verified >= (15 if use_model else 5)
+
+
+# --- zero bias, no bias -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("b", [8, 20, 50])
+def test_peeling_works_with_zero_biases(b):
+    # kaiming init: every bias is zero, so peeling's step 2 has no right-hand side; the scale
+    # comes from r . (L^+ dL/db) = 1 instead
+    from spear.data import load_dataset
+    from spear.fl import fully_connected, simulate_fedsgd
+
+    ds = load_dataset("mnist")
+    model = fully_connected(ds.features, 400, 3, ds.classes, init="kaiming", seed=b)
+    view, truth = simulate_fedsgd(model, ds, b, seed=b)
+    rec = spear.attack_layer(view.model, "0", view.gradients, max_proposals=200_000)
+    assert rec.verified and rec.stats.certified == b, rec.message
+    assert exact(rec.inputs, truth.inputs, 1e-8)
+    assert exact(rec.certified_inputs, truth.inputs, 1e-8)
+
+
+def test_a_layer_without_bias_gets_a_clear_error():
+    model = torch.nn.Sequential(
+        torch.nn.Linear(20, 50, bias=False), torch.nn.ReLU(), torch.nn.Linear(50, 3)
+    ).double()
+    x, y = torch.randn(4, 20, dtype=torch.float64), torch.tensor([0, 1, 2, 0])
+    torch.nn.functional.cross_entropy(model(x), y).backward()
+    grads = {n: p.grad for n, p in model.named_parameters()}
+    with pytest.raises(InputError, match="bias=False"):
+        spear.attack_layer(model, "0", grads)
+
+
+# --- float32 and half precision -----------------------------------------------------------------
+
+
+def test_float32_stops_when_done():
+    # tiny true entries of dL/dZ (1e-5 of a column's max) fall under float32's zero_rtol; the
+    # tolerance-aware sigma still reaches 1, so the attack stops instead of spending its budget
+    from spear.data import load_dataset
+    from spear.fl import fully_connected, simulate_fedsgd
+
+    ds = load_dataset("mnist")
+    model = fully_connected(ds.features, 1000, 6, ds.classes, seed=0, dtype=torch.float32)
+    view, truth = simulate_fedsgd(model, ds, 20, seed=0)
+    rec = spear.attack_layer(view.model, "0", view.gradients, max_proposals=2_000_000)
+    assert rec.verified and rec.stats.stop_reason == "sigma=1", rec.message
+    assert rec.stats.proposals < 100_000
+    assert exact(rec.inputs, truth.inputs.double(), 1e-3)
+
+
+@pytest.mark.parametrize(
+    "dtype,b,rtol", [(torch.float16, 8, 1e-3), (torch.float16, 20, 1e-3), (torch.bfloat16, 8, 1e-2)]
+)
+def test_half_precision_gradients_are_upcast_with_their_own_tolerances(dtype, b, rtol):
+    x, y = gaussian(b, 300, seed=b)
+    batch = make_batch(x, y, mlp(300, 500, seed=2))
+    W, bias, GW, Gb = layer_args(batch)
+    rec = spear.reconstruct(W, bias, GW.to(dtype), Gb.to(dtype), max_proposals=100_000)
+    assert rec.batch_size == b  # not 170: the rank rule follows the precision
+    assert_promise(rec, x, rtol)
+    assert rec.verified, rec.message
+
+
+# --- dead neurons, dense gradients, duplicates, invisible samples --------------------------------
+
+
+def dead_batch(b, dead, seed=0):
+    client = make_client(b, width=200, depth=3, seed=seed)  # image-like inputs
+    with torch.no_grad():
+        client.model[0].bias[:dead] = -1e3  # these neurons are inactive for every sample
+    return make_batch(client.inputs, client.labels, client.model)
+
+
+def test_dead_neurons_are_left_out_of_the_search():
+    batch = dead_batch(12, 100)
+    rec = spear.reconstruct(*layer_args(batch))
+    assert rec.verified and rec.stats.dead_neurons == 100
+    assert rec.stats.proposals < 100_000  # 766k proposals while the dead rows were sampled
+    assert exact(rec.inputs, batch.x)
+    # 180 of 200 dead: the gradient is very sparse, not "not sparse"
+    batch = dead_batch(8, 180)
+    rec = spear.attack_layer(batch.model, "0", batch.grads, max_proposals=100_000)
+    assert rec.verified and rec.stats.dead_neurons == 180 and exact(rec.inputs, batch.x)
+
+
+@pytest.mark.parametrize("b", [12, 20, 50])
+def test_dense_gradients_are_diagnosed_at_any_batch_size(b):
+    x, y = gaussian(b, 300, seed=b)
+    torch.manual_seed(b)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(300, 200), torch.nn.Tanh(), torch.nn.Linear(200, 200), torch.nn.ReLU(),
+        torch.nn.Linear(200, 10),
+    ).double()  # fmt: skip
+    batch = make_batch(x, y, model)
+    calls = []
+    with pytest.raises(NoSparsityError, match="followed"):
+        spear.reconstruct(*layer_args(batch), progress=calls.append)
+    assert len(calls) <= 4  # a few calls and the probe, not the whole budget
+    with pytest.raises(NoSparsityError, match="Tanh"):  # the model names the activation at once
+        spear.attack_layer(batch.model, "0", batch.grads)
+
+
+def test_exact_duplicates_are_reported_with_their_multiplicity():
+    x, y = gaussian(8, 300, seed=5)
+    x[3], y[3] = x[6], y[6]
+    batch = make_batch(x, y, mlp(300, 200, seed=5))
+    rec = spear.attack_layer(batch.model, "0", batch.grads)
+    assert rec.batch_size == 7 and rec.verified and rec.reduction == "mean"
+    distinct = torch.cat([x[:6], x[7:]])
+    assert exact(rec.inputs, distinct)
+    r, c = match_rows(rec.inputs, distinct)
+    expected = torch.ones(7, dtype=torch.long)
+    expected[3] = 2  # x[3] == x[6]
+    assert torch.equal(rec.multiplicities[r], expected[c]) and rec.client_batch_size == 8
+    assert "duplicates" in rec.message
+
+
+def test_sum_reduction_is_detected():
+    x, y = gaussian(6, 300, seed=6)
+    batch = make_batch(x, y, mlp(300, 200, seed=6), reduction="sum")
+    rec = spear.attack_layer(batch.model, "0", batch.grads)
+    assert rec.verified and rec.reduction == "sum" and rec.multiplicities.tolist() == [1] * 6
+
+
+def test_a_sample_no_neuron_sees_is_counted_as_missing():
+    x, y = gaussian(6, 300, seed=7)
+    model = mlp(300, 200, seed=7)
+    with torch.no_grad():  # sample 2 activates no neuron of layer 0: it leaves no trace there
+        x[2] = 0.0
+        model[0].bias.clamp_(max=-1e-3)
+    batch = make_batch(x, y, model)
+    rec = spear.attack_layer(batch.model, "0", batch.grads)
+    assert rec.batch_size == 5 and rec.verified
+    assert rec.client_batch_size == 6 and rec.missing_samples == 1 and "no trace" in rec.message
+    assert exact(rec.inputs, torch.cat([x[:2], x[3:]]))
+
+
+# --- labels, first and later layers -------------------------------------------------------------
+
+
+@pytest.mark.parametrize("layer", [0, 1, 2])
+def test_labels_are_recovered_exactly_at_every_layer(layer):
+    x, y = gaussian(10, 300, seed=8 + layer)
+    batch = make_batch(x, y, mlp(300, 250, depth=5, seed=8), module=2 * layer)
+    truth = batch.model[: 2 * layer](x).detach() if layer else x
+    rec = spear.attack_layer(batch.model, str(2 * layer), batch.grads)
+    assert rec.verified and rec.verified_by == "model", rec.message
+    assert exact(rec.inputs, truth, 1e-8) and labels_exact(rec, truth, y)
+
+
+def test_without_a_sequential_model_the_result_is_layer_level():
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc1, self.fc2 = torch.nn.Linear(300, 200), torch.nn.Linear(200, 200)
+            self.out = torch.nn.Linear(200, 10)
+
+        def forward(self, x):
+            return self.out(torch.relu(self.fc2(torch.relu(self.fc1(x)))))
+
+    torch.manual_seed(9)
+    net = Net().double()
+    x, y = gaussian(8, 300, seed=9)
+    torch.nn.functional.cross_entropy(net(x), y).backward()
+    grads = {n: p.grad for n, p in net.named_parameters()}
+    rec = spear.attack_layer(net, "fc1", grads)
+    assert rec.verified and rec.verified_by == "layer" and rec.labels is None
+    assert exact(rec.inputs, x)
+
+
+# --- the certificate itself -----------------------------------------------------------------------
+
+
+def test_model_certificate_rejects_mixtures_and_accepts_true_samples():
+    from spear.certify import ModelCertifier, model_tail
+
+    x, y = gaussian(6, 300, seed=10)
+    batch = make_batch(x, y, mlp(300, 200, seed=10))
+    lin = batch.model[0]
+    cert = ModelCertifier(model_tail(batch.model, "0"), lin.weight, lin.bias, rtol=1e-8)
+    good = cert(x, batch.dz)
+    assert bool(good.ok.all()) and torch.equal(good.labels, y)
+    assert torch.allclose(good.weights, torch.full((6,), 1 / 6, dtype=torch.float64), rtol=1e-10)
+    # affine mixtures of two samples with the matching mixture of their columns
+    for a in (0.3, 0.5, -0.7):
+        xm = a * x[0] + (1 - a) * x[1]
+        dm = a * batch.dz[0] + (1 - a) * batch.dz[1]
+        assert not bool(cert(xm[None], dm[None]).ok[0])
+    # the right sample with another sample's column
+    assert not bool(cert(x[:1], batch.dz[1:2]).ok[0])
+
+
+def test_a_certificate_that_does_not_fit_the_model_is_switched_off():
+    # the client used a loss the certificate does not assume (MSE on one-hot targets): the
+    # samples the layer pins down fail it, so it is switched off instead of discarding them
+    x, y = gaussian(8, 300, seed=11)
+    model = mlp(300, 200, seed=11)
+    loss = torch.nn.functional.mse_loss(model(x), torch.nn.functional.one_hot(y, 10).double())
+    loss.backward()
+    grads = {n: p.grad for n, p in model.named_parameters()}
+    rec = spear.attack_layer(model, "0", grads)
+    assert rec.verified and rec.verified_by == "layer" and exact(rec.inputs, x)
+    assert any("switched off" in note for note in rec.notes)
+
+
+# --- options and bad input --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "options,match",
+    [
+        ({"seed": None}, "seed must be an integer"),
+        ({"seed": 1.5}, "seed must be an integer"),
+        ({"seed": -1}, "seed must be >= 0"),
+        ({"rank_rtol": 1.0}, "rank_rtol"),
+        ({"rank_rtol": 0.0}, "rank_rtol"),
+        ({"zero_rtol": -1e-9}, "zero_rtol"),
+        ({"verify_rtol": -1.0}, "verify_rtol"),
+        ({"proposal_dtype": torch.float16}, "proposal_dtype"),
+        ({"proposal_dtype": torch.int32}, "proposal_dtype"),
+        ({"dtype": torch.float16}, "dtype"),
+        ({"time_budget": float("nan")}, "time_budget"),
+        ({"time_budget": 0}, "time_budget"),
+        ({"time_budget": -3.0}, "time_budget"),
+        ({"max_proposals": 2.5}, "max_proposals"),
+        ({"max_proposals": -1}, "max_proposals"),
+        ({"chunk_size": 0}, "chunk_size"),
+        ({"batch_size": 0}, "batch_size"),
+        ({"p_fr": 0.0}, "p_fr"),
+        ({"peel": "yes"}, "peel"),
+        ({"progress": 3}, "progress"),
+        ({"proposer": 3}, "proposer"),
+    ],
+)
+def test_bad_options_get_a_spear_error_naming_them(options, match):
+    x, y = gaussian(4, 60, seed=12)
+    batch = make_batch(x, y, mlp(60, 50, seed=12))
+    with pytest.raises(InputError, match=match):
+        spear.reconstruct(*layer_args(batch), **options)
+
+
+def test_integer_like_options_are_accepted():
+    import numpy as np
+
+    x, y = gaussian(4, 60, seed=13)
+    batch = make_batch(x, y, mlp(60, 50, seed=13))
+    rec = spear.reconstruct(*layer_args(batch), seed=np.int64(3), max_proposals=np.int32(100_000))
+    assert rec.verified and rec.stats.seed == 3
+
+
+def test_next_weight_of_the_wrong_shape_is_rejected():
+    x, y = gaussian(4, 60, seed=14)
+    batch = make_batch(x, y, mlp(60, 50, seed=14))
+    W2 = batch.model[2].weight
+    with pytest.raises(InputError, match="next_weight"):
+        spear.reconstruct(
+            *layer_args(batch), next_grad_weight=batch.grads["2.weight"], next_weight=W2[:, :-1]
+        )
+    with pytest.raises(InputError, match="next_weight"):
+        spear.reconstruct(*layer_args(batch), next_weight=W2)  # without its gradient

@@ -135,7 +135,7 @@ def test_attack_peels_every_sample_of_a_b64_batch():
     # every found direction becomes a certified sample, and the final batch is exact too
     b = 64
     view, _, X, _, _ = _client(b, 400, seed=4)
-    rec = spear.attack_layer(view.model, "0", view.gradients, seed=4, time_budget=120)
+    rec = spear.attack_layer(view.model, "0", view.gradients, seed=4, max_proposals=50_000)
     assert rec.verified, rec.message
     assert rec.stats.certified == b and rec.summary()["certified_samples"] == b
     assert_exact(rec.inputs, X, 1e-8)

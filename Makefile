@@ -5,7 +5,7 @@ TORCH_SPEC ?= torch==2.13.0
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install test lint demo bench clean
+.PHONY: install test lint demo bench mutation clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -30,5 +30,12 @@ bench: $(STAMP)
 	$(PY) benchmarks/bench_sampling.py
 	$(PY) benchmarks/bench_scaling.py
 
+# Mutation testing of the attack core and the API (mutmut; settings in pyproject.toml). Not in CI:
+# it runs the suite once per mutant (hours on 2 cores). `mutmut browse` shows the survivors.
+mutation: $(STAMP)
+	$(PY) -m pip install -q "mutmut>=3,<4"
+	$(VENV)/bin/mutmut run --max-children 2
+	$(VENV)/bin/mutmut results
+
 clean:
-	rm -rf $(VENV) build dist src/*.egg-info .pytest_cache .ruff_cache
+	rm -rf $(VENV) build dist src/*.egg-info .pytest_cache .ruff_cache mutants

@@ -16,6 +16,9 @@ def test_attack_json_end_to_end_exact(tmp_path):
     assert result.exit_code == 0, result.output
     payload = json.loads(result.stdout[result.stdout.index("{") :])
     assert payload["verified"] is True and payload["metrics"]["accuracy"] == 1.0
+    # every sample certified through the model, with its label
+    assert payload["verified_by"] == "model" and payload["metrics"]["label_accuracy"] == 1.0
+    assert len(payload["labels"]) == 5 and payload["reduction"] == "mean"
     for key in ("psnr", "ssim", "mse", "lpips"):
         assert key in payload["metrics"]
     assert payload["metrics"]["psnr"] > 150 and payload["metrics"]["ssim"] > 0.9999
@@ -32,6 +35,7 @@ def test_attack_table_output():
     result = runner.invoke(app, ["attack", *TINY, "--dataset", "digits"])
     assert result.exit_code == 0, result.output
     assert "exact batch" in result.output and "verified" in result.output
+    assert "label accuracy" in result.output and "by the model" in result.output
 
 
 @pytest.mark.parametrize(
@@ -86,6 +90,7 @@ def test_evaluate_resumes(tmp_path, monkeypatch):
     summary = json.loads(second.stdout[second.stdout.index("{") :])
     assert summary["batches"] == 3 and summary["accuracy"]["mean"] == 1.0
     assert summary["psnr"]["mean"] > 150 and summary["psnr"]["ci95"] is not None
+    assert summary["label_accuracy"]["mean"] == 1.0 and summary["verified"] == 3
 
 
 def test_datasets_command():

@@ -198,3 +198,136 @@ def test_pool_bounds_untrusted_candidates_keeping_the_sparsest():
     pool.add(SnapResult(dirs, torch.zeros(5, 6, dtype=torch.bool), counts, robust))
     assert len(pool) == 3 and pool.trusted.shape[0] == 1
     assert sorted(pool.zero_counts.tolist()) == [3, 4, 5]  # the two sparsest untrusted survive
+
+
+# --- tests that fail for the real bugs (mutants of verify, filtering, greedy, lowrank) -------------
+
+
+def test_verification_needs_the_bias_gradient_too():
+    # zero bias: X / 2 with 2 dL/dZ keeps every ReLU pattern and dL/dW, only dL/db doubles
+    client = make_client(6, width=120, seed=30)
+    W = client.first.weight.detach()
+    zero = torch.zeros(W.shape[0], dtype=W.dtype)
+    X = client.inputs
+    active = (X @ W.T > 0).T.to(X.dtype)  # (m, b)
+    dZ = torch.randn(W.shape[0], 6, dtype=X.dtype, generator=torch.Generator().manual_seed(0)) * active
+    GW, Gb = dZ @ X, dZ.sum(dim=1)
+    assert verify(W, zero, GW, Gb, X, dZ, "output", 1e-8).verified
+    halved = verify(W, zero, GW, Gb, X / 2, 2 * dZ, "output", 1e-8)
+    assert not halved.verified and halved.residual == pytest.approx(1.0, rel=1e-6)
+
+
+def test_verification_tolerance_is_tight():
+    client = make_client(6, width=120, seed=31)
+    W, bias, GW, Gb = (t.detach() for t in client.layer_args())
+    off = client.inputs * (1 + 1e-6)  # a reconstruction wrong in the 6th digit
+    check = verify(W, bias, GW, Gb, off, client.grad_z, "output", 1e-8)
+    assert not check.verified and 1e-7 < check.residual < 1e-5
+
+
+def test_the_attack_is_invariant_to_the_gradient_scale():
+    # relative tolerances: a gradient 1e-12 (or 1e12) times smaller is the same problem
+    import spear
+
+    client = make_client(8, width=200, seed=32)
+    W, bias, GW, Gb = client.layer_args()
+    for factor in (1e-12, 1e12):
+        rec = spear.reconstruct(W, bias, GW * factor, Gb * factor, max_proposals=200_000)
+        assert rec.verified, rec.message
+        assert_exact(rec.inputs, client.inputs, 1e-8)
+
+
+def test_zero_count_threshold_is_inclusive():
+    client = make_client(8, width=200, seed=33)
+    split = low_rank_split(client.grads["0.weight"])
+    Qt, _ = true_directions(client, split)
+    q = Qt[:, 0][None]
+    mask = zero_mask(q @ split.L.T, 1e-9)
+    zeros = int(mask.sum())
+    assert snap_and_filter(split.L, q, mask, zeros, 1e-9).directions.shape[0] == 1
+    assert snap_and_filter(split.L, q, mask, zeros + 1, 1e-9).directions.shape[0] == 0
+
+
+def test_greedy_takes_the_best_swap_of_a_sweep():
+    import itertools
+
+    client = make_client(8, width=200, seed=34)
+    W, bias, GW, Gb = (t.detach() for t in client.layer_args())
+    split = low_rank_split(GW)
+    problem = LayerProblem(W, bias, Gb, split.L, split.R)
+    Qt, _ = true_directions(client, split)
+    # two impostors that stage 1 takes first, then the true columns: the first swap that helps
+    # is not the best one
+    wrong = [Qt[:, 0] + 0.7 * Qt[:, 1], Qt[:, 2] - 0.4 * Qt[:, 3], Qt[:, 0] + 0.2 * Qt[:, 5]]
+    directions = torch.cat([torch.stack([w / w.norm() for w in wrong]), Qt.T])
+    masks = zero_mask(directions @ split.L.T, 1e-9)
+    counts = torch.tensor([10_000, 9_999, 9_998] + [100] * 8)
+    start = sparsest_basis(directions, counts, 8)
+    one = greedy_filter(problem, directions, masks, counts, max_sweeps=1)
+    best = -1.0
+    for pos, new in itertools.product(range(8), range(directions.shape[0])):
+        if new in start:
+            continue
+        trial = list(start)
+        trial[pos] = new
+        s, *_ = score(problem, directions[trial].T[None], masks[trial][None])
+        best = max(best, float(s[0]))
+    assert one.sigma == pytest.approx(best, abs=1e-12)
+
+
+def test_rank_threshold_is_numpys_rule_exactly():
+    m, n = 60, 40
+    rtol = max(m, n) * torch.finfo(torch.float64).eps
+    g = torch.Generator().manual_seed(35)
+    U = torch.linalg.qr(torch.randn(m, n, dtype=torch.float64, generator=g))[0]
+    V = torch.linalg.qr(torch.randn(n, n, dtype=torch.float64, generator=g))[0]
+    S = torch.zeros(n, dtype=torch.float64)
+    S[:4] = torch.tensor([1.0, 0.5, 3 * rtol, 0.3 * rtol])
+    split = low_rank_split((U * S) @ V.T)
+    assert split.batch_size == 3  # 3 rtol counts, 0.3 rtol does not (x10 or /10 would differ)
+    assert split.rank_rtol == pytest.approx(rtol)
+
+
+def test_sigma_counts_both_directions_of_the_relu():
+    from spear.core.consistency import pattern_matches
+
+    z = torch.tensor([[[2.0, -1.0, 0.5, -0.5]]], dtype=torch.float64)
+    zero = torch.tensor([[[False, True, True, False]]])
+    # z > 0 with dL/dZ = 0 contradicts the ReLU (generically), as z < 0 with dL/dZ != 0 does
+    assert pattern_matches(z, zero, None, 0.0).tolist() == [[[True, True, False, False]]]
+    # inside the tolerance bands nothing contradicts: a tiny nonzero that is not certainly zero,
+    # and pre-activations without a clear sign
+    certain = torch.tensor([[[False, True, False, False]]])
+    assert pattern_matches(z, zero, certain, 0.0).tolist() == [[[True, True, True, False]]]
+    assert pattern_matches(z, zero, None, 0.3).tolist() == [[[True, True, True, True]]]  # |z| <= 0.6
+    assert pattern_matches(z, zero, None, 0.2).tolist() == [[[True, True, False, False]]]  # |z| > 0.4
+
+
+def test_score_rejects_a_column_that_vanishes_where_its_sample_is_active():
+    client = make_client(8, width=200, seed=36)
+    W, bias, GW, Gb = (t.detach() for t in client.layer_args())
+    split = low_rank_split(GW)
+    problem = LayerProblem(W, bias, Gb, split.L, split.R)
+    Qt, _ = true_directions(client, split)
+    masks = zero_mask((split.L @ Qt).T, 1e-9)
+    assert float(score(problem, Qt[None], masks[None])[0][0]) == 1.0
+    claimed = masks.clone()
+    claimed[0, (~masks[0]).nonzero()[0, 0]] = True  # a zero where sample 0 is active
+    sigma, *_ = score(problem, Qt[None], claimed[None])
+    assert float(sigma[0]) < 1.0
+
+
+def test_gap_rank_finds_the_drop_to_the_noise_floor():
+    from spear.core.lowrank import gap_rank
+
+    def S(*values):
+        return torch.tensor(values, dtype=torch.float64)
+
+    # signal 1 .. 0.02, noise ~1e-4: the largest drop with the next value under the floor
+    assert gap_rank(S(1.0, 0.3, 0.02, 1e-4, 8e-5, 5e-5), floor_rtol=1e-2) == 3
+    # a larger drop inside the signal does not count while its next value is above the floor
+    assert gap_rank(S(1.0, 0.05, 0.03, 1e-4, 9e-5), floor_rtol=1e-2) == 3
+    # nothing under the floor: full rank; a floor above everything: the largest drop anywhere
+    assert gap_rank(S(1.0, 0.5, 0.2), floor_rtol=1e-3) == 3
+    assert gap_rank(S(1.0, 0.5, 0.01, 0.005), floor_rtol=1.0) == 2
+    assert gap_rank(S(2.0), floor_rtol=1e-2) == 1 and gap_rank(S(0.0, 0.0), floor_rtol=1e-2) == 0

@@ -19,13 +19,13 @@ from spear.core.scale import LayerProblem
 RTOL = 1e-8  # the float64 verification tolerance
 
 
-def _client(b, width, depth=3, seed=0):
+def _client(b, width, depth=3, seed=0, init="default"):
     """An MNIST FedSGD client: the first layer's problem, truth (inputs, dL/dZ) and unit Qt."""
     from spear.data import load_dataset
     from spear.fl import fully_connected, simulate_fedsgd
 
     dataset = load_dataset("mnist")
-    model = fully_connected(dataset.features, width, depth, dataset.classes, seed=seed)
+    model = fully_connected(dataset.features, width, depth, dataset.classes, seed=seed, init=init)
     view, truth = simulate_fedsgd(model, dataset, b, seed=seed)
     g = {k: v.detach() for k, v in view.gradients.items()}
     layer = view.model[0]
@@ -231,3 +231,87 @@ def test_greedy_selects_certified_directions_first_and_never_swaps_them_out():
     certified[b] = True
     fixed = greedy_filter(problem, directions, masks, counts, certified=certified)
     assert b in fixed.indices and not fixed.perfect
+
+
+def _with_bias(problem, bias, weight=None):
+    return LayerProblem(
+        problem.weight if weight is None else weight, bias, problem.grad_bias, problem.L, problem.R,
+        "output", problem.next_grad_weight, problem.next_weight,
+    )  # fmt: skip
+
+
+def test_each_peeling_check_is_needed():
+    # a layer that differs from the one behind the gradient in one bias entry: on a row where
+    # sample 0 is active, only step 2's residual notices; on a row where it is inactive (pushed
+    # above zero), only the ReLU-pattern check does
+    b = 20
+    _, problem, X, _, Qt = _client(b, 300, seed=10)
+    masks = zero_mask((problem.L @ Qt[:, :1]).T, 1e-9)
+    z = X[0] @ problem.weight.T + problem.bias
+    active_row = int(torch.nonzero(~masks[0])[0])
+    inactive = torch.nonzero(masks[0])[:, 0]
+    inactive_row = int(inactive[z[inactive].argmax()])  # the least negative one
+    assert _peel(_peeler(problem), Qt[:, :1].T, masks)[0].tolist() == [True]
+    shifted = problem.bias.clone()
+    shifted[active_row] += 1e-3 * float(z[active_row])  # the pattern stays, the values do not
+    outcome = SamplePeeler(_with_bias(problem, shifted), RTOL, 1e-10).peel(Qt[:, :1].T, masks)
+    assert outcome.consistent.tolist() == [False]
+    z_shift = z.clone()
+    z_shift[active_row] += 1e-3 * float(z[active_row])
+    assert bool(((z_shift > 0) == ~masks[0]).all())  # only the residual can see it
+    lifted = problem.bias.clone()
+    lifted[inactive_row] += 1.0 - float(z[inactive_row])  # pre-activation +1 on a zero row
+    outcome = SamplePeeler(_with_bias(problem, lifted), RTOL, 1e-10).peel(Qt[:, :1].T, masks)
+    assert outcome.consistent.tolist() == [False]
+
+
+def test_peeling_residual_check_with_zero_biases():
+    # zero biases: step 2 is homogeneous and the scale row r . c = 1 is met exactly, so a layer
+    # that differs from the gradient's in one weight row on an active neuron shows only in the
+    # residual of step 2
+    b = 20
+    _, problem, _, _, Qt = _client(b, 300, seed=13, init="kaiming")
+    assert float(problem.bias.abs().max()) == 0.0
+    masks = zero_mask((problem.L @ Qt[:, :1]).T, 1e-9)
+    assert _peel(_peeler(problem), Qt[:, :1].T, masks)[0].tolist() == [True]
+    row = int(torch.nonzero(~masks[0])[0])
+    weight = problem.weight.clone()
+    weight[row] *= 1 + 1e-3
+    outcome = SamplePeeler(_with_bias(problem, problem.bias, weight), RTOL, 1e-10).peel(Qt[:, :1].T, masks)
+    assert outcome.consistent.tolist() == [False]
+
+
+def test_peeling_a_mixture_whose_kernel_is_one_dimensional_is_not_certified():
+    # two samples sharing their activation pattern: a combination vanishing on their common
+    # zeros plus one coincidental row has a one-dimensional kernel there (it passes step 1's
+    # dimension check and steps 2-3, as -9.7 x0 + 10.7 x1 once did), but that row is essential
+    import spear
+
+    x = torch.randn(6, 784, dtype=torch.float64, generator=torch.Generator().manual_seed(11))
+    x[1] = x[0] + 1e-3 * torch.randn(784, dtype=torch.float64, generator=torch.Generator().manual_seed(12))
+    model = spear.fl.fully_connected(784, 200, 3, seed=11)
+    y = torch.tensor([0, 1, 2, 3, 4, 5])
+    Z = model[0](x)
+    Z.retain_grad()
+    torch.nn.functional.cross_entropy(model[1:](Z), y).backward()
+    grads = {n: p.grad.detach() for n, p in model.named_parameters()}
+    split = low_rank_split(grads["0.weight"])
+    problem = LayerProblem(
+        model[0].weight.detach(), model[0].bias.detach(), grads["0.bias"], split.L, split.R, "output",
+        grads["2.weight"], model[2].weight.detach(),
+    )  # fmt: skip
+    dZ = Z.grad.detach().T
+    zeros = dZ.abs() < 1e-14  # (m, b)
+    common = zeros[:, 0] & zeros[:, 1]
+    both = (~zeros[:, 0] & ~zeros[:, 1]).nonzero()[:, 0]  # rows where both samples are active
+    assert common.sum() > 50
+    consistent = 0
+    for extra in both.tolist():
+        rows = common.clone()
+        rows[extra] = True  # the mixture of the two columns that cancels on this row
+        q = torch.linalg.svd(problem.L[rows])[2][-1]
+        mask = zero_mask((problem.L @ q)[None], 1e-9)
+        outcome = _peeler(problem).peel(q[None], mask)
+        assert not bool(outcome.robust[0])
+        consistent += bool(outcome.consistent[0])
+    assert consistent >= 1  # some pass steps 1-3: robustness is what rejects them

@@ -389,3 +389,20 @@ def test_auto_shares_compute_among_stalled_proposers_and_keeps_a_finder(monkeypa
     for _ in range(100 + 10 + 1):
         auto.propose(ctx, 10**6)
     assert auto.neurons.calls == 205 and auto.guided.calls == 20 and auto.recovery.calls == 2
+
+
+def test_auto_uses_complement_guided_sampling_for_small_batches():
+    # below 15 samples auto samples at random, and every 4th call, once a direction is known,
+    # complement-guided sampling finds the least sparse columns
+    client = make_client(12, width=200, depth=3, seed=21)
+    auto = AutoProposer()
+    calls = []
+    original = auto.guided.propose
+
+    def counted(ctx, max_proposals):
+        calls.append(max_proposals)
+        return original(ctx, max_proposals)
+
+    auto.guided.propose = counted
+    spear.reconstruct(*client.layer_args(), proposer=auto, early_stop=False, max_proposals=60_000)
+    assert len(calls) >= 2

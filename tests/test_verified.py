@@ -346,6 +346,25 @@ def test_model_certificate_rejects_mixtures_and_accepts_true_samples():
     assert not bool(cert(x[:1], batch.dz[1:2]).ok[0])
 
 
+def test_the_model_certificate_needs_a_unique_label():
+    # a tail of rank one (a one-neuron bottleneck): every label's gradient is parallel, so all
+    # labels whose gradient points the right way fit, and such samples are not certified
+    from spear.certify import ModelCertifier, model_tail
+
+    torch.manual_seed(15)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(40, 60), torch.nn.ReLU(), torch.nn.Linear(60, 1), torch.nn.ReLU(),
+        torch.nn.Linear(1, 5),
+    ).double()  # fmt: skip
+    with torch.no_grad():
+        model[2].bias.fill_(5.0)  # the bottleneck neuron is active
+    x, y = torch.randn(4, 40, dtype=torch.float64), torch.tensor([0, 1, 2, 3])
+    batch = make_batch(x, y, model)
+    cert = ModelCertifier(model_tail(model, "0"), model[0].weight, model[0].bias, rtol=1e-8)(x, batch.dz)
+    assert not bool(cert.ok.all())  # the true label fits, but not alone
+    assert torch.equal(cert.labels[cert.ok], y[cert.ok]) and bool((cert.labels[~cert.ok] == -1).all())
+
+
 def test_a_certificate_that_does_not_fit_the_model_is_switched_off():
     # the client used a loss the certificate does not assume (MSE on one-hot targets): the
     # samples the layer pins down fail it, so it is switched off instead of discarding them

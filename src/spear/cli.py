@@ -201,7 +201,9 @@ def attack(
     for name in ("psnr", "ssim", "mse", "lpips"):
         table.add_row(name.upper(), _fmt(m.get(name)))
     table.add_row("exact batch", "yes" if m["accuracy"] == 1.0 else "no")
-    table.add_row("verified", str(record["verified"]))
+    table.add_row("label accuracy", _fmt(m.get("label_accuracy")))
+    verified_by = f" (by the {record['verified_by']})" if record.get("verified_by") else ""
+    table.add_row("verified", f"{record['verified']}{verified_by}")
     table.add_row("sigma", _fmt(record["sigma"], 6))
     table.add_row("residual", f"{record['residual']:.2e}")
     st = record["stats"]
@@ -213,6 +215,8 @@ def attack(
     table.add_row("seconds", f"{st['seconds']:.2f}")
     console.print(table)
     console.print(record["message"])
+    for note in record.get("notes", []):
+        console.print(f"note: {note}")
 
 
 @app.command()
@@ -283,7 +287,7 @@ def evaluate(
     table.add_column("metric")
     table.add_column("mean", justify="right")
     table.add_column("95% CI", justify="right")
-    for name in ("psnr", "ssim", "mse", "lpips", "seconds", "proposals"):
+    for name in ("psnr", "ssim", "mse", "lpips", "label_accuracy", "seconds", "proposals"):
         s = summary[name]
         table.add_row(name, _fmt(s["mean"]), "n/a" if s["ci95"] is None else f"± {_fmt(s['ci95'])}")
     acc = summary["accuracy"]

@@ -70,6 +70,17 @@ def _exact_certified(dataset, certified: torch.Tensor | None, truth: torch.Tenso
     return int(batch_exact(estimate[est], truth[ref]).sum())
 
 
+def label_accuracy(
+    estimate: torch.Tensor, labels: torch.Tensor | None, truth: torch.Tensor, true_labels: torch.Tensor
+) -> float:
+    """Fraction of samples whose recovered label is the true one, after matching the inputs
+    (NaN when the attack recovered no labels)."""
+    if labels is None or estimate.shape[0] != truth.shape[0]:
+        return float("nan")
+    est, ref = match_samples(estimate, truth)
+    return float((labels.cpu()[est] == true_labels.cpu()[ref]).double().mean())
+
+
 def run_experiment(settings: ExperimentSettings, progress=None) -> ExperimentResult:
     """Simulate one FedSGD client, attack its first layer, evaluate against its batch."""
     dataset = load_dataset(settings.dataset)
@@ -105,11 +116,19 @@ def run_experiment(settings: ExperimentSettings, progress=None) -> ExperimentRes
         estimate = dataset.denormalize(rec.inputs.cpu().to(truth.dtype)).clamp(0, 1)
         evaluation = evaluate_batch(estimate, truth)
         metrics = evaluation.as_dict()
+        metrics["metrics"]["label_accuracy"] = label_accuracy(estimate, rec.labels, truth, secret.labels)
         matched = evaluation.matched_estimates
     else:
         nan = float("nan")
         metrics = {
-            "metrics": {"psnr": nan, "ssim": nan, "mse": nan, "lpips": nan, "accuracy": 0.0},
+            "metrics": {
+                "psnr": nan,
+                "ssim": nan,
+                "mse": nan,
+                "lpips": nan,
+                "accuracy": 0.0,
+                "label_accuracy": nan,
+            },
             # the batch was not recovered, but samples peeled one by one may have been
             "exact_samples": _exact_certified(dataset, rec.certified_inputs, truth),
             "batch_size": truth.shape[0],
@@ -122,6 +141,13 @@ def run_experiment(settings: ExperimentSettings, progress=None) -> ExperimentRes
         "dataset_note": dataset.note,
         **metrics,
         "verified": rec.verified,
+        "verified_by": rec.verified_by,
+        "labels": None if rec.labels is None else rec.labels.tolist(),
+        "multiplicities": None if rec.multiplicities is None else rec.multiplicities.tolist(),
+        "reduction": rec.reduction,
+        "missing_samples": rec.missing_samples,
+        "ambiguous": [list(g) for g in rec.ambiguous],
+        "notes": list(rec.notes),
         "residual": rec.residual,
         "sigma": rec.sigma,
         "recovered_batch_size": rec.batch_size,

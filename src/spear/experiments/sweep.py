@@ -88,6 +88,7 @@ def summarize(records: list[dict]) -> dict:
     if records:
         ci = stats.binomtest(exact, len(records)).proportion_ci(0.95, method="exact")
         out["accuracy"] = {"mean": exact / len(records), "low": ci.low, "high": ci.high, "n": len(records)}
+    out["label_accuracy"] = _mean_ci([r["metrics"].get("label_accuracy") for r in records])
     out["verified"] = sum(1 for r in records if r.get("verified"))
     out["seconds"] = _mean_ci([r["stats"]["seconds"] for r in records])
     out["proposals"] = _mean_ci([r["stats"]["proposals"] for r in records])

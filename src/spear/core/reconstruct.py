@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import torch
 
 from spear import theory
-from spear.core.certificate import SampleCertifier
+from spear.core.certificate import SampleCertificates, SampleCertifier
 from spear.core.consistency import Tolerances
 from spear.core.diagnosis import (
     DIAGNOSABLE_RATIO,
@@ -491,7 +491,25 @@ class _Attack:
             return None
         assembled, check = self.setup.assemble_and_check(selection)
         factor = self.setup.problem.sparse_factor
-        return judge(selection, factor, certified, assembled, check, self.setup.tol, self.gate)
+        known = self._peeled_certificates(selection, certified)
+        return judge(selection, factor, certified, assembled, check, self.setup.tol, self.gate, known)
+
+    def _peeled_certificates(self, selection: Selection, certified: torch.Tensor) -> SampleCertificates:
+        """The model certificates peeling already issued for the selection's peeled columns."""
+        b = selection.Qbar.shape[1]
+        known = SampleCertificates.none(b, device=selection.Qbar.device)
+        peeled = self.peeled
+        if not len(peeled) or not bool(certified.any()):
+            return known
+        cos = (peeled.directions @ selection.Qbar).abs()  # (f, b)
+        best, index = cos.max(dim=0)
+        labels, weights = peeled.labels[index], peeled.weights[index]
+        ok = certified.to(best.device) & (best > 1 - 1e-9) & (labels >= 0)
+        known.ok[ok] = True
+        known.labels[ok] = labels[ok]
+        known.weights[ok] = weights[ok].to(known.weights)
+        known.misfit[ok] = float("nan")  # issued earlier, not recomputed
+        return known
 
     # --- the loop ---------------------------------------------------------------------------
 

@@ -114,15 +114,18 @@ def judge(
     check: Verification,
     tol: Tolerances,
     gate: ModelGate,
+    known: SampleCertificates | None = None,
 ) -> Verdict:
     """The verdict on ``selection`` (whose columns ``certified`` were peeled and certified one
-    by one), given its assembled inputs and full-width dL/dZ and their gradient check."""
+    by one), given its assembled inputs and full-width dL/dZ and their gradient check.
+    ``known`` holds model certificates already issued for some columns (where ``ok``): only
+    the others are checked again."""
     inputs, grad_outputs = assembled
     zero = zero_mask((sparse_factor @ selection.Qbar).T, tol.zero_rtol)
     determinacy = ambiguous_groups(sparse_factor, selection.Qbar.T, zero, certified)
     pinned = determinacy.pinned | certified
     consistent = check.verified and selection.perfect
-    cert = gate.check(inputs, grad_outputs.T, pinned) if consistent else None
+    cert = _certify_rest(gate, inputs, grad_outputs.T, pinned, known) if consistent else None
     verified_by = None
     reduction = BatchReduction(None, None, None)
     reject: list[int] = []
@@ -136,6 +139,27 @@ def judge(
     return Verdict(
         inputs, grad_outputs, check, consistent, determinacy, cert, reduction, verified_by, reject
     )
+
+
+def _certify_rest(
+    gate: ModelGate,
+    inputs: torch.Tensor,
+    grad_outputs: torch.Tensor,
+    pinned: torch.Tensor,
+    known: SampleCertificates | None,
+) -> SampleCertificates | None:
+    """Model certificates of all columns, reusing the ``known`` ones."""
+    if known is None or not bool(known.ok.any()):
+        return gate.check(inputs, grad_outputs, pinned)
+    todo = (~known.ok).nonzero()[:, 0]
+    fresh = gate.check(inputs[todo], grad_outputs[todo], pinned[todo]) if todo.numel() else None
+    if todo.numel() and fresh is None:
+        return None
+    merged = SampleCertificates(*(t.clone() for t in (known.ok, known.labels, known.weights, known.misfit)))
+    if fresh is not None:
+        for name in ("ok", "labels", "weights", "misfit"):
+            getattr(merged, name)[todo] = getattr(fresh, name).to(getattr(merged, name))
+    return merged
 
 
 def verdict_message(verdict: Verdict, b: int, has_model: bool) -> str:

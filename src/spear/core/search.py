@@ -75,11 +75,11 @@ class ResidualSearch:
     def snap(self, batch: ProposalBatch, tol: Tolerances, known: torch.Tensor) -> SnapResult:
         """Exact directions of the whole layer from a batch of proposals on the current one.
 
-        On a residual problem the proposals are snapped there first (their hints are row sets of
-        its b' dimensions), with a relaxed threshold: subtracting the peeled samples leaves
-        rounding errors of ~1e-10 on true zeros. Lifted to the whole layer, each is solved again
-        exactly on that zero set, where the usual threshold applies (except for the last
-        sample's forced direction)."""
+        On a residual problem the proposals are snapped there (their hints are row sets of its b'
+        dimensions) and lifted. Subtracting the peeled samples leaves rounding errors of ~1e-10
+        on true zeros, so a direction a few zeros short of the threshold there is solved again
+        exactly on the whole layer, where the threshold applies (except for the last sample's
+        forced direction, see ``_resolve``)."""
         threshold = self.root.threshold_count
         if self.basis is not None:
             threshold = max(self.ctx.batch_size - 1, math.floor(RESIDUAL_THRESHOLD * threshold))
@@ -89,12 +89,19 @@ class ResidualSearch:
             batch.zero_hint,
             threshold,
             tol.zero_rtol,
-            known_masks=None if self.basis is not None else known,
+            known_masks=known,
             zero_floor=tol.zero_floor,
         )
         if self.basis is None:
             return snapped
         lifted = lift(snapped, self.basis)
+        done = lifted.zero_counts >= self.root.threshold_count
+        if bool(done.all()):
+            return lifted
+        return SnapResult.concat([lifted.select(done), self._resolve(lifted.select(~done), tol, known)])
+
+    def _resolve(self, lifted: SnapResult, tol: Tolerances, known: torch.Tensor) -> SnapResult:
+        """Lifted directions solved again exactly on their zero sets in the whole layer."""
         # the last sample's direction is forced (no search, so no false acceptance to bound):
         # any column pinned by its zeros goes on to be certified by peeling or the model
         final = self.root.batch_size - 1 if self.on_last_sample else self.root.threshold_count

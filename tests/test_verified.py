@@ -39,6 +39,11 @@ def mlp(n, width, depth=3, classes=10, seed=0, init="default", dtype=torch.float
     return spear.fl.fully_connected(n, width, depth, classes, init=init, seed=seed, dtype=dtype)
 
 
+def grads_of(model, loss):
+    names = [n for n, _ in model.named_parameters()]
+    return dict(zip(names, torch.autograd.grad(loss, list(model.parameters())), strict=True))
+
+
 def gaussian(b, n, seed):
     g = torch.Generator().manual_seed(seed)
     return torch.randn(b, n, generator=g, dtype=torch.float64), torch.randint(0, 10, (b,), generator=g)
@@ -256,12 +261,22 @@ def test_dense_gradients_are_diagnosed_at_any_batch_size(b):
         spear.attack_layer(batch.model, "0", batch.grads)
 
 
-def test_exact_duplicates_are_reported_with_their_multiplicity():
-    x, y = gaussian(8, 300, seed=5)
+def duplicate_batch(n, seed, shift_in_null_space=False):
+    x, y = gaussian(8, n, seed=seed)
+    model = mlp(n, 200, seed=seed)
     x[3], y[3] = x[6], y[6]
-    batch = make_batch(x, y, mlp(300, 200, seed=5))
+    if shift_in_null_space:  # x3 != x6 with the same pre-activations: W v = 0 (n > m)
+        W = model[0].weight.detach()
+        v = torch.linalg.svd(W, full_matrices=True)[2][-1]
+        x[3] = x[6] + 0.5 * v * x[6].norm()
+    return x, y, make_batch(x, y, model)
+
+
+def test_exact_duplicates_are_reported_with_their_multiplicity():
+    # n = 40 <= active neurons: equal activations imply equal inputs, so k = 2 means duplicates
+    x, _, batch = duplicate_batch(40, seed=5)
     rec = spear.attack_layer(batch.model, "0", batch.grads)
-    assert rec.batch_size == 7 and rec.verified and rec.reduction == "mean"
+    assert rec.batch_size == 7 and rec.verified and rec.reduction == "mean", rec.message
     distinct = torch.cat([x[:6], x[7:]])
     assert exact(rec.inputs, distinct)
     r, c = match_rows(rec.inputs, distinct)
@@ -269,6 +284,20 @@ def test_exact_duplicates_are_reported_with_their_multiplicity():
     expected[3] = 2  # x[3] == x[6]
     assert torch.equal(rec.multiplicities[r], expected[c]) and rec.client_batch_size == 8
     assert "duplicates" in rec.message
+
+
+@pytest.mark.parametrize("shifted", [False, True])
+def test_a_shared_column_is_not_called_a_duplicate_when_the_layer_cannot_tell(shifted):
+    # n = 300 > m = 200: two samples whose inputs differ by a null vector of W have the same
+    # gradient as a duplicated one; the column is their mean, so nothing is verified
+    x, _, batch = duplicate_batch(300, seed=6, shift_in_null_space=shifted)
+    rec = spear.attack_layer(batch.model, "0", batch.grads)
+    assert rec.batch_size == 7 and not rec.verified
+    assert rec.multiplicities is not None and sorted(rec.multiplicities.tolist())[-1] == 2
+    assert "only their mean is determined" in rec.message
+    if rec.certified_inputs is not None:  # the merged column is never a certified sample
+        for row in rec.certified_inputs:
+            assert float((x - row).abs().amax(dim=1).min()) < 1e-8
 
 
 def test_sum_reduction_is_detected():
@@ -433,3 +462,103 @@ def test_next_weight_of_the_wrong_shape_is_rejected():
         )
     with pytest.raises(InputError, match="next_weight"):
         spear.reconstruct(*layer_args(batch), next_weight=W2)  # without its gradient
+
+
+# --- found by an adversarial review ---------------------------------------------------------------
+
+
+def assert_certified_rows_true(rec, x, rtol=1e-6):
+    if rec.certified_inputs is None:
+        return
+    for row in rec.certified_inputs:
+        assert float((x - row).abs().amax(dim=1).min()) <= rtol * float(x.abs().max())
+
+
+@pytest.mark.parametrize("same_label", [True, False])
+def test_binary_near_duplicates_are_not_verified(same_label):
+    # two classes: every per-sample dL/dZ is a multiple of one pattern-masked vector, so two
+    # samples sharing all patterns have proportional columns and merge into one
+    torch.manual_seed(0)
+    model = mlp(50, 100, classes=2)
+    x, y = torch.randn(8, 50, dtype=torch.float64), torch.randint(0, 2, (8,))
+    x[1] = x[0] + 1e-3 * torch.randn(50, dtype=torch.float64)
+    y[1] = y[0] if same_label else 1 - y[0]
+    batch = make_batch(x, y, model)
+    rec = spear.attack_layer(batch.model, "0", batch.grads, max_proposals=50_000)
+    assert not rec.verified and rec.batch_size == 7
+    assert_promise(rec, x)
+    assert_certified_rows_true(rec, x)
+
+
+def test_a_sign_only_certificate_never_gives_a_wrong_label():
+    # two classes and label smoothing, which the certificate does not model: the sign of a
+    # confident model's gradient points to the same label for every sample
+    torch.manual_seed(0)
+    model = mlp(50, 100, classes=2)
+    with torch.no_grad():
+        model[4].bias[:] = torch.tensor([3.0, -3.0], dtype=torch.float64)
+    x, y = torch.randn(8, 50, dtype=torch.float64), torch.tensor([0, 1] * 4)
+    loss = torch.nn.functional.cross_entropy(model(x), y, label_smoothing=0.1)
+    grads = grads_of(model, loss)
+    rec = spear.attack_layer(model, "0", grads, max_proposals=50_000)
+    assert not rec.verified
+    for labels, rows in ((rec.labels, rec.inputs), (rec.certified_labels, rec.certified_inputs)):
+        if labels is None:
+            continue
+        r, c = match_rows(rows, x)
+        assert bool(((labels[r] == -1) | (labels[r] == y[c])).all())
+
+
+def test_float32_near_duplicates_are_not_verified_by_the_layer():
+    # in float32 the pair's second singular value (1e-6 of s_max) sits between the rounding
+    # noise and numpy's rank bound: the batch size reads 8, and the pair's zero sets are too
+    # close to the noise to be trusted
+    torch.manual_seed(0)
+    model = mlp(50, 100, dtype=torch.float32)
+    x, y = torch.randn(8, 50), torch.randint(0, 10, (8,))
+    x[1], y[1] = x[0] + 1e-2 * torch.randn(50), y[0]
+    batch = make_batch(x, y, model)
+    rec = spear.reconstruct(*layer_args(batch), max_proposals=20_000)
+    assert rec.batch_size == 8 and not rec.verified
+    assert_promise(rec, x.double(), 1e-3)
+
+
+def test_float64_near_duplicates_never_certify_a_merged_sample():
+    torch.manual_seed(0)
+    model = mlp(50, 100)
+    x, y = torch.randn(8, 50, dtype=torch.float64), torch.randint(0, 10, (8,))
+    x[1], y[1] = x[0] + 1e-4 * torch.randn(50, dtype=torch.float64), y[0]
+    batch = make_batch(x, y, model)
+    for rec in (
+        spear.attack_layer(batch.model, "0", batch.grads, max_proposals=20_000),
+        spear.reconstruct(
+            *layer_args(batch), next_grad_weight=batch.grads["2.weight"], next_weight=model[2].weight,
+            max_proposals=20_000,
+        ),
+    ):  # fmt: skip
+        assert_promise(rec, x)
+        assert_certified_rows_true(rec, x)
+
+
+def test_a_scaled_update_is_not_read_as_missing_samples_without_saying_so():
+    x, y = gaussian(8, 300, seed=16)
+    model = mlp(300, 200, seed=16)
+    loss = 0.25 * torch.nn.functional.cross_entropy(model(x), y)  # e.g. a learning rate
+    grads = grads_of(model, loss)
+    rec = spear.attack_layer(model, "0", grads)
+    assert rec.verified and exact(rec.inputs, x)
+    assert "or the update was scaled" in rec.message
+
+
+def test_working_dtype_float32_and_noisy_gradients_get_the_right_batch_size():
+    x, y = gaussian(8, 50, seed=17)
+    batch = make_batch(x, y, mlp(50, 100, seed=17))
+    rec = spear.reconstruct(*layer_args(batch), dtype=torch.float32)
+    assert rec.batch_size == 8 and rec.verified, rec.message
+    W, bias, GW, Gb = layer_args(batch)
+    g = torch.Generator().manual_seed(0)
+    noise = 1e-12 * GW.abs().max() * torch.randn(GW.shape, dtype=GW.dtype, generator=g)
+    with pytest.raises(spear.RankError, match="batch_size=8 may be right"):
+        spear.reconstruct(W, bias, GW + noise, Gb)
+    with pytest.raises(NoSparsityError, match="batch_size=9 was given but the gradient's numerical rank"):
+        spear.reconstruct(*layer_args(batch), batch_size=9)

@@ -191,7 +191,8 @@ def reconstruct(
         raise InputError("grad_weight is all zeros: the update carries no information about the batch")
     if not bool(Gb.abs().amax() > 0):
         raise InputError("grad_bias is all zeros: the scale of each sample cannot be recovered (Theorem 3.6)")
-    source_dtype = source_precision(GW, Gb)
+    # the attack's precision is the least of the gradient's and its own working dtype
+    source_dtype = source_precision(GW, Gb, torch.empty(0, dtype=opts.dtype))
     cast = {"dtype": opts.dtype, "device": device}
     next_gw = None
     if next_grad_weight is not None:

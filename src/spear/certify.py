@@ -35,6 +35,9 @@ from spear.errors import InputError
 
 #: how many numbers one batched gradient step may hold (samples x classes x width)
 CHUNK_ELEMENTS = 2**24
+#: two labels' gradients with |cos| above this are parallel: the fit cannot tell them apart
+#: by direction (two classes), only by sign and scale
+PARALLEL_COS = 1.0 - 1e-4
 #: modules that leave a Linear layer's (batch, features) output as it is
 PASS_THROUGH = (nn.Dropout, nn.Identity, nn.Flatten)
 #: activations after which dL/dZ has no zeros
@@ -154,6 +157,18 @@ class ModelCertifier:
             (grad,) = torch.autograd.grad(loss, rep)
         return grad.view(k, C, m)
 
+    @staticmethod
+    def _discriminative(g: torch.Tensor, label: torch.Tensor) -> torch.Tensor:
+        """Whether the best label's gradient (p, m) points away from every other label's: two
+        classes, or a rest of the network of rank one, make them all parallel."""
+        unit = g / g.norm(dim=-1, keepdim=True).clamp_min(torch.finfo(g.dtype).tiny)
+        best = unit.gather(1, label[:, None, None].expand(-1, 1, unit.shape[-1]))  # (p, 1, m)
+        cos = (unit * best).sum(dim=-1).abs()
+        cos.scatter_(1, label[:, None], 0.0)
+        if g.shape[1] == 1:
+            return torch.zeros_like(label, dtype=torch.bool)
+        return cos.amax(dim=1) <= PARALLEL_COS
+
     def __call__(self, inputs: torch.Tensor, grad_outputs: torch.Tensor) -> SampleCertificates:
         """Certificates of k samples (inputs (k, n), their dL/dZ columns (k, m))."""
         x = inputs.detach().to(self.weight)
@@ -174,6 +189,7 @@ class ModelCertifier:
                 runner_up = torch.full_like(best, torch.inf)
             ok = (best <= self.rtol) & (runner_up > self.rtol)
             out.ok[part] = ok
+            out.strong[part] = ok & self._discriminative(g, label)
             out.labels[part] = torch.where(ok, label, -1)
             out.weights[part] = torch.where(ok, weight.gather(1, label[:, None])[:, 0], torch.nan)
             out.misfit[part] = best

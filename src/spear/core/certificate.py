@@ -31,12 +31,22 @@ class SampleCertificates:
             (1/B for a mean over B samples, 1 for a sum; k times that for a sample present k
             times), NaN where none fits.
         misfit: (k,) relative misfit ``|dL/dZ_j - s g| / |dL/dZ_j|`` of the best label.
+        strong: (k,) bool, ok and *discriminative*: the other labels' gradients point elsewhere,
+            so the fit checks a direction, not only a sign and a scale. With two classes (or a
+            rank-one rest of the network) every label's gradient is parallel: mixtures of
+            samples that share their activation pattern then fit too, and such a certificate
+            cannot stand in for the layer's own (a pinned zero set).
     """
 
     ok: torch.Tensor
     labels: torch.Tensor
     weights: torch.Tensor
     misfit: torch.Tensor
+    strong: torch.Tensor = None  # type: ignore[assignment]  # default: ok
+
+    def __post_init__(self) -> None:
+        if self.strong is None:
+            object.__setattr__(self, "strong", self.ok.clone())
 
     @classmethod
     def none(cls, k: int, device: torch.device | str = "cpu") -> SampleCertificates:
@@ -46,6 +56,7 @@ class SampleCertificates:
             torch.full((k,), -1, dtype=torch.long, device=device),
             torch.full((k,), math.nan, dtype=torch.float64, device=device),
             torch.full((k,), math.inf, dtype=torch.float64, device=device),
+            torch.zeros(k, dtype=torch.bool, device=device),
         )
 
 
@@ -87,14 +98,17 @@ BATCH_SIZE_ATOL = 0.25
 
 def infer_reduction(weights: torch.Tensor, rtol: float = WEIGHT_RTOL) -> BatchReduction:
     """Mean or sum reduction, multiplicities and the client's batch size from the loss weights of
-    the b recovered samples (see :class:`BatchReduction`); ``rtol`` is the weights' precision."""
+    the b recovered samples (see :class:`BatchReduction`); ``rtol`` is the weights' precision.
+
+    Multiplicities are the weights' ratios to the smallest, and must be integers with most
+    samples occurring once (so that loose weights cannot match integers by chance)."""
     none = BatchReduction(None, None, None)
     w = weights.detach().double().cpu()
     if w.numel() == 0 or not bool(torch.isfinite(w).all()) or bool((w <= 0).any()):
         return none
     ratio = w / w.min()
     k = ratio.round()
-    if not bool(((ratio - k).abs() <= rtol * ratio).all()):
+    if not bool(((ratio - k).abs() <= rtol * ratio).all()) or float(k.median()) != 1.0:
         return none
     recovered = int(k.sum())
     size = recovered / float(w.sum())  # a mean has w_j = k_j / B, so B = sum k / sum w

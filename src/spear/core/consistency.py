@@ -45,6 +45,9 @@ from spear.core.verify import DEFAULT_VERIFY_RTOL
 ZERO_FLOOR_FRACTION = 1e-3
 #: the band of undetermined pre-activation signs, as a fraction of ``verify_rtol``
 Z_RTOL_FRACTION = 0.1
+#: the bound noise / s_b overstates the error of true zeros of L q about five-fold (measured on
+#: float32 clients: zeros up to 6.8e-7 of a column's maximum where the bound says 3.3e-6)
+RESOLVABLE_SLACK = 10
 #: two columns whose 2 x 2 Gram matrix on their common support has s_2 / s_1 below this are
 #: proportional there (general position fails for the pair)
 PROPORTIONAL_RTOL = 1e-12
@@ -81,6 +84,18 @@ class Tolerances:
         zero = zero_rtol if zero_rtol is not None else DEFAULT_ZERO_RTOL.get(source_dtype, eps)
         verify = verify_rtol if verify_rtol is not None else DEFAULT_VERIFY_RTOL.get(source_dtype, 10 * eps)
         return cls(zero, zero * ZERO_FLOOR_FRACTION, verify * Z_RTOL_FRACTION, verify)
+
+
+def resolvable(singular_values: torch.Tensor, b: int, zero_rtol: float, eps: float) -> bool:
+    """Whether zero sets can be trusted: the errors of L's columns, at most about ``noise / s_b``
+    relative (noise: the first singular value beyond the batch, or eps s_max), stay within
+    ``RESOLVABLE_SLACK * zero_rtol``. Nearly dependent samples (near-duplicates) make s_b tiny
+    and their zero sets unreliable."""
+    S = singular_values
+    if b < 1 or float(S[0]) == 0.0:
+        return False
+    noise = max(float(S[b]) if b < S.numel() else 0.0, eps * float(S[0]))
+    return float(S[b - 1]) * RESOLVABLE_SLACK * zero_rtol >= noise
 
 
 def pattern_matches(

@@ -85,14 +85,21 @@ def probe_sparse_directions(
     return ProbeResult(SnapResult.concat(found), sparsest)
 
 
-def no_sparsity_message(b: int, rows: int, mode: str, calls: int) -> str:
+def no_sparsity_message(b: int, rows: int, mode: str, calls: int, rank: int | None = None) -> str:
+    """``rank``: the gradient's numerical rank when the user forced another batch size."""
     side = "output gradient dL/dZ" if mode == "output" else "input X"
     where = "followed" if mode == "output" else "preceded"
+    forced = (
+        f" Note: batch_size={b} was given but the gradient's numerical rank is {rank}; a wrong batch "
+        "size destroys the sparsity as well."
+        if rank is not None and rank != b
+        else ""
+    )
     return (
         f"no ReLU-sparse direction: {calls} proposer calls and a probe by ICA+IRLS"
         f"{' and neuron-guided sampling' if mode == 'output' else ''} found no direction with the "
         f"sparsity a ReLU gives (b={b}, {rows} rows): the {side} is dense. Is the layer {where} by "
-        "a ReLU? Otherwise try sparsity='input'/'output', or check the gradient was not noised."
+        f"a ReLU? Otherwise try sparsity='input'/'output', or check the gradient was not noised.{forced}"
     )
 
 

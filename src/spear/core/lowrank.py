@@ -22,12 +22,17 @@ class LowRankSplit:
     batch_size: int
     singular_values: torch.Tensor
     rank_rtol: float
+    numerical_rank: int = 0  # the rank rule's own estimate (batch_size may be given instead)
 
 
-#: source dtypes less precise than this (float16, bfloat16) get the gap rule (``gap_rank``)
-LOW_PRECISION_EPS = 1e-6
+#: source dtypes less precise than this (float32, float16, bfloat16) get the jump rule
+#: (``jump_rank``): their rounding noise (~0.2 eps s_max, measured) lies far below
+#: numpy's max(m, n) eps, and a pair of near-duplicate samples leaves a singular value in between
+LOW_PRECISION_EPS = 1e-10
 #: the gap rule looks for the noise floor below this many eps times s_max
 GAP_FLOOR_EPS = 10
+#: the drop between the batch's singular values and the rounding noise is at least this
+RANK_JUMP = 10
 
 
 def default_rank_rtol(shape: tuple[int, int], source_dtype: torch.dtype) -> float:
@@ -51,6 +56,18 @@ def gap_rank(singular_values: torch.Tensor, floor_rtol: float) -> int:
     return int(ratio.argmax()) + 1
 
 
+def jump_rank(singular_values: torch.Tensor, eps: float) -> int | None:
+    """The last k where the singular values drop ``RANK_JUMP``-fold from a value still above
+    ``eps * s_max`` (the rounding noise of a gradient computed with this eps stays below ~0.3
+    eps s_max and decays smoothly, measured); None when there is no such drop."""
+    S = singular_values
+    if S.numel() < 2 or float(S[0]) == 0.0:
+        return None
+    ratio = S[:-1] / S[1:].clamp_min(torch.finfo(S.dtype).tiny)
+    drops = ((ratio >= RANK_JUMP) & (S[:-1] >= eps * S[0])).nonzero()[:, 0]
+    return int(drops[-1]) + 1 if drops.numel() else None
+
+
 def low_rank_split(
     grad_weight: torch.Tensor,
     *,
@@ -62,7 +79,9 @@ def low_rank_split(
 
     The batch size is the number of singular values above ``rank_rtol * s_max`` (Theorem 3.1:
     ``rank(dL/dW) = b``), unless ``batch_size`` is given, which overrides the estimate.
-    Gradients computed in half precision (float16, bfloat16) get :func:`gap_rank` instead.
+    Gradients computed in float32 or half precision end the batch at the last 10-fold drop of
+    the singular values above eps (:func:`jump_rank`, else :func:`gap_rank`); float64 keeps
+    numpy's rule.
 
     Raises:
         RankError: the gradient has full rank ``min(m, n)``, so ``b >= min(m, n)`` and the batch
@@ -72,25 +91,32 @@ def low_rank_split(
     U, S, Vh = torch.linalg.svd(grad_weight, full_matrices=False)
     source = source_dtype or grad_weight.dtype
     rtol = rank_rtol if rank_rtol is not None else default_rank_rtol((m, n), source)
-    if batch_size is not None:
-        b = int(batch_size)
-    elif rank_rtol is None and torch.finfo(source).eps > LOW_PRECISION_EPS:
-        b = gap_rank(S, GAP_FLOOR_EPS * torch.finfo(source).eps)
-    else:
-        b = int((rtol * S[0] < S).sum())
+    estimate = int((rtol * S[0] < S).sum())
+    if rank_rtol is None and torch.finfo(source).eps > LOW_PRECISION_EPS:
+        by_jump = jump_rank(S, torch.finfo(source).eps)
+        estimate = by_jump if by_jump is not None else gap_rank(S, GAP_FLOOR_EPS * torch.finfo(source).eps)
+    b = estimate if batch_size is None else int(batch_size)
     if b < 1:
         raise RankError(
             f"dL/dW has numerical rank 0 at rank_rtol={rtol:g}: no singular value is above the "
             "threshold; lower rank_rtol or pass batch_size="
         )
     if b >= min(m, n):
+        gap = gap_rank(S, GAP_FLOOR_EPS * torch.finfo(source).eps * 1e6)
+        hint = (
+            f" The largest drop of its singular values comes after {gap} of them (s ratio "
+            f"{float(S[gap - 1] / S[gap]):.1e}): if the gradient carries noise, batch_size={gap} may be "
+            "right."
+            if 0 < gap < min(m, n)
+            else ""
+        )
         raise RankError(
             f"dL/dW ({m} x {n}) has numerical rank {b} = min(m, n): the batch is at least as large "
             f"as the layer, so it cannot be recovered. SPEAR needs batch size < {min(m, n)} "
             f"(the layer's {'output' if m <= n else 'input'} width). Attack a wider layer, or pass "
-            "batch_size= if you know the batch is smaller and the gradient is noisy."
+            f"batch_size= if you know the batch is smaller and the gradient is noisy.{hint}"
         )
     root = S[:b].sqrt()
     L = U[:, :b] * root
     R = root[:, None] * Vh[:b]
-    return LowRankSplit(L=L, R=R, batch_size=b, singular_values=S, rank_rtol=rtol)
+    return LowRankSplit(L=L, R=R, batch_size=b, singular_values=S, rank_rtol=rtol, numerical_rank=estimate)

@@ -68,6 +68,8 @@ class PeeledSamples:
             layer's weight is unknown; a row of zeros where it was not determined.
         labels: (f,) labels found by a model-level certificate, -1 where none was run.
         weights: (f,) loss weights found with them (1/B for a batch mean), NaN where none.
+        strong: (f,) whether that certificate was discriminative and one sample's (see
+            :class:`spear.core.certificate.SampleCertificates`).
     """
 
     directions: torch.Tensor
@@ -77,6 +79,7 @@ class PeeledSamples:
     next_grad_outputs: torch.Tensor | None = None
     labels: torch.Tensor = None  # type: ignore[assignment]  # filled in __post_init__
     weights: torch.Tensor = None  # type: ignore[assignment]
+    strong: torch.Tensor = None  # type: ignore[assignment]
 
     def __post_init__(self) -> None:
         f, device = self.directions.shape[0], self.directions.device
@@ -84,6 +87,8 @@ class PeeledSamples:
             self.labels = torch.full((f,), -1, dtype=torch.long, device=device)
         if self.weights is None:
             self.weights = torch.full((f,), float("nan"), dtype=self.directions.dtype, device=device)
+        if self.strong is None:
+            self.strong = torch.zeros(f, dtype=torch.bool, device=device)
 
     @classmethod
     def empty(
@@ -104,6 +109,7 @@ class PeeledSamples:
         self.duals = torch.cat([self.duals, other.duals])
         self.labels = torch.cat([self.labels, other.labels])
         self.weights = torch.cat([self.weights, other.weights])
+        self.strong = torch.cat([self.strong, other.strong])
         if self.next_grad_outputs is not None and other.next_grad_outputs is not None:
             self.next_grad_outputs = torch.cat([self.next_grad_outputs, other.next_grad_outputs])
 
@@ -117,6 +123,7 @@ class PeeledSamples:
             nxt,
             self.labels[keep],
             self.weights[keep],
+            self.strong[keep],
         )
 
 

@@ -11,6 +11,7 @@ selection with its :class:`~spear.core.verdict.Verdict`.
 
 from __future__ import annotations
 
+import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -19,7 +20,7 @@ import torch
 
 from spear import theory
 from spear.core.certificate import SampleCertificates, SampleCertifier
-from spear.core.consistency import Tolerances
+from spear.core.consistency import Tolerances, resolvable
 from spear.core.diagnosis import (
     DIAGNOSABLE_RATIO,
     PROBE_AFTER_CALLS,
@@ -41,7 +42,7 @@ from spear.core.proposers import (
 )
 from spear.core.scale import LayerProblem, SparsityMode
 from spear.core.search import ResidualSearch
-from spear.core.verdict import ModelGate, Verdict, judge, verdict_message
+from spear.core.verdict import WEIGHT_PRECISION, LayerFacts, ModelGate, Verdict, judge, verdict_message
 from spear.core.verify import verify
 from spear.errors import InputError, NoSparsityError, RankError
 
@@ -54,6 +55,8 @@ NO_SPARSITY_ZERO_RATE = 0.3
 DEAD_ROW_RTOL = 1e-12
 #: selections re-made after the model certificate rejected columns, per step at most
 MAX_REJECTION_ROUNDS = 4
+#: peeled samples whose model weights agree before any of them counts as one sample's weight
+WEIGHT_QUORUM = 3
 
 
 @dataclass(frozen=True)
@@ -338,6 +341,14 @@ class AttackSetup:
         return self.split.batch_size
 
     @property
+    def facts(self) -> LayerFacts:
+        """What the verdict needs beyond a selection (see :class:`LayerFacts`)."""
+        eps = torch.finfo(self.source_dtype).eps
+        ok = resolvable(self.split.singular_values, self.b, self.tol.zero_rtol, eps)
+        exact = self.source_dtype == torch.float64
+        return LayerFacts(self.layer.weight, self.layer.bias, ok, exact)
+
+    @property
     def elapsed(self) -> float:
         return time.perf_counter() - self.start
 
@@ -408,6 +419,8 @@ class _Attack:
         self.drawn = 0
         self.calls = 0
         self.probed = False
+        self.weights_seen: list[float] = []  # loss weights the model certificate fitted
+        self.facts = setup.facts
         self.notes: list[str] = []
 
     # --- one step ---------------------------------------------------------------------------
@@ -443,20 +456,41 @@ class _Attack:
         outcome = self.peeler.peel(snapped.directions, snapped.zero_masks)
         samples = outcome.samples
         position = outcome.consistent.nonzero()[:, 0]
-        accept = outcome.robust[position]
+        accept = outcome.robust[position] & self.facts.resolvable
         if len(samples):
             grads = self.setup.expand(self.setup.problem.L @ samples.duals.T).T
             cert = self.gate.check(samples.inputs, grads, accept)
             if cert is not None:
-                samples.labels = torch.where(cert.ok, cert.labels, -1).to(samples.labels.device)
-                samples.weights = torch.where(cert.ok, cert.weights, torch.nan).to(samples.weights)
-                accept = accept | cert.ok.to(accept.device)
+                ok = cert.ok.to(accept.device)
+                single = self._single(cert.weights.to(samples.weights), ok)
+                samples.strong = ok & cert.strong.to(ok.device) & single
+                # labels only from a discriminative fit (a sign-only one assumes the loss)
+                samples.labels = torch.where(samples.strong, cert.labels.to(ok.device), -1)
+                samples.weights = torch.where(ok, cert.weights.to(samples.weights), torch.nan)
+                # with a model, a sample counts only if it fits it as one sample: a column whose
+                # weight is a multiple of one sample's stands for several (only their mean is
+                # determined), and one no label fits may be a merge of samples the layer cannot
+                # separate
+                accept = (accept & ok & single) | samples.strong
         samples, position = samples.select(accept), position[accept]
         keep = mutually_consistent(self.peeled, samples, self.setup.tol.verify_rtol)
         certified = torch.zeros(snapped.directions.shape[0], dtype=torch.bool, device=position.device)
         certified[position[keep]] = True
         snapped.certified = certified
         return samples.select(keep)
+
+    def _single(self, weights: torch.Tensor, ok: torch.Tensor) -> torch.Tensor:
+        """Which loss weights are one sample's: equal (within the weights' precision) to the
+        median of those seen so far, which at least ``WEIGHT_QUORUM`` samples share. A column
+        standing for several samples has a multiple of it (duplicates) or, merged from samples
+        the layer cannot separate, another value altogether."""
+        self.weights_seen += weights[ok].tolist()
+        if not self.weights_seen:
+            return torch.zeros_like(ok)
+        reference = statistics.median(self.weights_seen)
+        rtol = WEIGHT_PRECISION * self.setup.tol.verify_rtol
+        agree = sum(abs(w / reference - 1.0) <= rtol for w in self.weights_seen)
+        return ((weights / reference - 1.0).abs() <= rtol) & (agree >= WEIGHT_QUORUM)
 
     def _select(self) -> None:
         """Greedy selection (Algorithm 3); a perfect one is judged, and columns the model shows
@@ -492,7 +526,8 @@ class _Attack:
         assembled, check = self.setup.assemble_and_check(selection)
         factor = self.setup.problem.sparse_factor
         known = self._peeled_certificates(selection, certified)
-        return judge(selection, factor, certified, assembled, check, self.setup.tol, self.gate, known)
+        s = self.setup
+        return judge(selection, factor, certified, assembled, check, s.tol, self.gate, self.facts, known)
 
     def _peeled_certificates(self, selection: Selection, certified: torch.Tensor) -> SampleCertificates:
         """The model certificates peeling already issued for the selection's peeled columns."""
@@ -506,6 +541,7 @@ class _Attack:
         labels, weights = peeled.labels[index], peeled.weights[index]
         ok = certified.to(best.device) & (best > 1 - 1e-9) & (labels >= 0)
         known.ok[ok] = True
+        known.strong[ok] = peeled.strong[index][ok]
         known.labels[ok] = labels[ok]
         known.weights[ok] = weights[ok].to(known.weights)
         known.misfit[ok] = float("nan")  # issued earlier, not recomputed
@@ -524,7 +560,9 @@ class _Attack:
             probe = probe_sparse_directions(self.search.root, s.tol.zero_rtol, s.tol.zero_floor, None)
             self._absorb(probe.snapped)
             if len(self.pool) == 0 and probe.looks_dense(b, rows) and rows >= DIAGNOSABLE_RATIO * b:
-                raise NoSparsityError(no_sparsity_message(b, rows, s.options.sparsity, self.calls))
+                raise NoSparsityError(
+                    no_sparsity_message(b, rows, s.options.sparsity, self.calls, s.split.numerical_rank)
+                )
             if len(self.pool) == 0 and not probe.looks_dense(b, rows):
                 self.notes.append(below_threshold_note(probe.sparsest, rows, s.threshold))
             return
@@ -532,7 +570,9 @@ class _Attack:
         # paper's 50%, Fig. 7): only a gradient with hardly any zeros exhausts this patience
         patience = NO_SPARSITY_PATIENCE / (b * NO_SPARSITY_ZERO_RATE ** (b - 1))
         if self.drawn >= patience and rows > 2 * b and len(self.pool) == 0:
-            raise NoSparsityError(no_sparsity_message(b, rows, s.options.sparsity, self.calls))
+            raise NoSparsityError(
+                no_sparsity_message(b, rows, s.options.sparsity, self.calls, s.split.numerical_rank)
+            )
 
     def _progress(self) -> None:
         if self.setup.options.progress is None:
@@ -598,7 +638,11 @@ def finish(
         dead_neurons=int((~setup.live).sum()),
         certificate_seconds=gate.seconds,
     )
-    notes = tuple(([] if attack is None else attack.notes) + ([] if gate.note is None else [gate.note]))
+    notes = tuple(
+        ([] if attack is None else attack.notes)
+        + ([] if gate.note is None else [gate.note])
+        + ([] if verdict is None else verdict.notes)
+    )
     has_labels = bool((peeled.labels >= 0).any())
     common = {
         "batch_size": b,
@@ -648,7 +692,9 @@ def finish(
             **common,
         )
     if verdict.consistent:
-        message = verdict_message(verdict, b, gate.certifier is not None)
+        message = verdict_message(verdict, b)
+        if not verdict.verified and gate.certifier is None and verdict.determinacy.groups:
+            message += "; attack_layer with the model can certify samples one by one"
     else:
         message = (
             f"unverified: sigma={selection.sigma:.4f} but the recomputed gradients differ (residual "
@@ -692,7 +738,7 @@ def _single_sample(setup: AttackSetup, gate: ModelGate) -> Reconstruction:
     if selection.perfect:
         assembled, check = setup.assemble_and_check(selection)
         certified = torch.zeros(1, dtype=torch.bool, device=factor.device)
-        verdict = judge(selection, factor, certified, assembled, check, setup.tol, gate)
+        verdict = judge(selection, factor, certified, assembled, check, setup.tol, gate, setup.facts)
     return finish(setup, selection, verdict, gate, _no_peeled(setup), None, "trivial")
 
 

@@ -19,12 +19,11 @@ called exact.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from spear.core.certificate import (
-    WEIGHT_RTOL,
     BatchReduction,
     SampleCertificates,
     SampleCertifier,
@@ -35,6 +34,8 @@ from spear.core.filtering import zero_mask
 from spear.core.greedy import Selection
 from spear.core.verify import Verification
 
+#: loss weights must fit k/B (or integers) to this many times the verification tolerance
+WEIGHT_PRECISION = 10
 #: layer-pinned samples that must fail the model certificate, with none passing it, before the
 #: certificate is judged not to apply to this model (another loss, dropout, batch norm, ...)
 MODEL_CALIBRATION = 3
@@ -94,6 +95,8 @@ class Verdict:
     reduction: BatchReduction
     verified_by: str | None  # "model", "layer" or None
     reject: list[int]  # positions of the selection the model shows to be wrong
+    problems: list[str] = field(default_factory=list)  # why it is not verified
+    notes: list[str] = field(default_factory=list)  # remarks on a verified result
 
     @property
     def verified(self) -> bool:
@@ -101,9 +104,31 @@ class Verdict:
 
     @property
     def labels(self) -> torch.Tensor | None:
+        """Every label when the model verified the batch; otherwise those of discriminative
+        certificates only (a sign-only fit assumes the loss, see the notes)."""
         if self.certificates is None:
             return None
-        return torch.where(self.certificates.ok, self.certificates.labels, -1)
+        cert = self.certificates
+        trusted = cert.ok if self.verified_by == "model" else cert.ok & cert.strong
+        return torch.where(trusted, cert.labels, -1)
+
+
+@dataclass(frozen=True)
+class LayerFacts:
+    """What the verdict needs to know about the attacked layer beyond the selection.
+
+    Attributes:
+        weight, bias: the layer (full width), to tell duplicates from samples that merely share
+            their activations (a null space of W on their active neurons).
+        resolvable: the batch's smallest singular value stands far enough above the rounding
+            noise for zero sets to be trusted (:func:`spear.core.consistency.resolvable`).
+        exact_precision: the gradient was computed in float64.
+    """
+
+    weight: torch.Tensor
+    bias: torch.Tensor
+    resolvable: bool
+    exact_precision: bool
 
 
 def judge(
@@ -114,6 +139,7 @@ def judge(
     check: Verification,
     tol: Tolerances,
     gate: ModelGate,
+    facts: LayerFacts,
     known: SampleCertificates | None = None,
 ) -> Verdict:
     """The verdict on ``selection`` (whose columns ``certified`` were peeled and certified one
@@ -123,22 +149,94 @@ def judge(
     inputs, grad_outputs = assembled
     zero = zero_mask((sparse_factor @ selection.Qbar).T, tol.zero_rtol)
     determinacy = ambiguous_groups(sparse_factor, selection.Qbar.T, zero, certified)
-    pinned = determinacy.pinned | certified
+    pinned = (determinacy.pinned | certified) & facts.resolvable
     consistent = check.verified and selection.perfect
     cert = _certify_rest(gate, inputs, grad_outputs.T, pinned, known) if consistent else None
-    verified_by = None
-    reduction = BatchReduction(None, None, None)
-    reject: list[int] = []
-    if cert is not None:
-        if bool(cert.ok.all()):
-            verified_by = "model"
-            reduction = infer_reduction(cert.weights, max(WEIGHT_RTOL, 10 * tol.verify_rtol))
-        reject = (~cert.ok & ~pinned).nonzero()[:, 0].tolist()
-    if cert is None and not gate.active and consistent and determinacy.determined:
-        verified_by = "layer"  # with a model, only the model's certificate verifies
-    return Verdict(
-        inputs, grad_outputs, check, consistent, determinacy, cert, reduction, verified_by, reject
+    verdict = Verdict(
+        inputs, grad_outputs, check, consistent, determinacy, cert, BatchReduction(None, None, None), None, []
     )
+    if cert is not None:
+        _judge_by_model(verdict, cert, pinned, tol, facts)
+    elif not gate.active and consistent:
+        if not facts.resolvable:
+            verdict.problems.append(UNRESOLVABLE)
+        elif determinacy.determined:
+            verdict.verified_by = "layer"  # with a model, only the model's certificate verifies
+        else:
+            verdict.problems += list(determinacy.reasons)
+    return verdict
+
+
+#: why an ill-conditioned batch is not verified at the layer level
+UNRESOLVABLE = (
+    "the batch's smallest singular value lies too close to the rounding noise for its zero sets to "
+    "be trusted (nearly dependent samples, e.g. near-duplicates)"
+)
+
+
+def _judge_by_model(
+    verdict: Verdict, cert: SampleCertificates, pinned: torch.Tensor, tol: Tolerances, facts: LayerFacts
+) -> None:
+    """Model level: every sample certified, by a discriminative fit or a pinned zero set, with
+    weights that fit a mean or a sum, and duplicates only where the layer can tell them."""
+    verdict.reject = (~cert.ok & ~pinned).nonzero()[:, 0].tolist()
+    unfit = (~cert.ok).nonzero()[:, 0].tolist()
+    if unfit:
+        verdict.problems.append(
+            f"the model singles out no label for sample(s) {unfit} (several labels fit: the rest of "
+            "the network cannot tell them apart; or none: e.g. samples this layer cannot separate, "
+            "or a duplicated input with different labels)"
+        )
+        return
+    weak = (~cert.strong & ~pinned).nonzero()[:, 0].tolist()
+    if weak:
+        verdict.problems.append(
+            f"the model confirms sample(s) {weak} by a sign only (every label's gradient is parallel, "
+            "as with two classes), which mixtures of samples sharing a pattern pass too, and this "
+            "layer does not pin them"
+        )
+    reduction = infer_reduction(cert.weights, WEIGHT_PRECISION * tol.verify_rtol)
+    verdict.reduction = reduction
+    if reduction.reduction is None:
+        verdict.problems.append(
+            "the fitted loss weights fit neither a mean (k/B per sample) nor a sum (integers): "
+            "a mixture of samples, or a loss the certificate does not model (class weights, a scaled "
+            "update)"
+        )
+    elif reduction.multiplicities is not None:
+        verdict.problems += _undetermined_duplicates(verdict.inputs, reduction.multiplicities, cert, facts)
+    if not verdict.problems:
+        verdict.verified_by = "model"
+        if not bool(cert.strong.all()):
+            signs = (~cert.strong).nonzero()[:, 0].tolist()
+            verdict.notes.append(
+                f"the labels of sample(s) {signs} rest on the sign of their gradient (two classes): "
+                "they assume the loss is plain cross-entropy"
+            )
+
+
+def _undetermined_duplicates(
+    inputs: torch.Tensor, multiplicities: torch.Tensor, cert: SampleCertificates, facts: LayerFacts
+) -> list[str]:
+    """Columns that stand for k > 1 samples determine only their mean, unless equal activations
+    imply equal inputs (W has rank n on the active neurons), the gradient is float64 (else
+    near-duplicates merge within its precision) and the fit is discriminative."""
+    problems = []
+    n = facts.weight.shape[1]
+    for j in (multiplicities > 1).nonzero()[:, 0].tolist():
+        active = (inputs[j] @ facts.weight.T + facts.bias) > 0
+        rank = int(torch.linalg.matrix_rank(facts.weight[active])) if int(active.sum()) >= n else -1
+        if rank < n or not facts.exact_precision or not bool(cert.strong[j]):
+            why = (
+                f"the layer's weight has rank < {n} on its {int(active.sum())} active neurons"
+                if rank < n
+                else "the gradient's precision or a two-class output cannot tell them from near-duplicates"
+            )
+            problems.append(
+                f"sample {j} stands for {int(multiplicities[j])} samples whose gradients coincide: only "
+                f"their mean is determined ({why})"
+            )
+    return problems
 
 
 def _certify_rest(
@@ -155,15 +253,16 @@ def _certify_rest(
     fresh = gate.check(inputs[todo], grad_outputs[todo], pinned[todo]) if todo.numel() else None
     if todo.numel() and fresh is None:
         return None
-    merged = SampleCertificates(*(t.clone() for t in (known.ok, known.labels, known.weights, known.misfit)))
+    fields = ("ok", "labels", "weights", "misfit", "strong")
+    merged = SampleCertificates(*(getattr(known, name).clone() for name in fields))
     if fresh is not None:
-        for name in ("ok", "labels", "weights", "misfit"):
+        for name in fields:
             getattr(merged, name)[todo] = getattr(fresh, name).to(getattr(merged, name))
     return merged
 
 
-def verdict_message(verdict: Verdict, b: int, has_model: bool) -> str:
-    """The one-line summary of a verdict on a complete selection."""
+def verdict_message(verdict: Verdict, b: int) -> str:
+    """The one-line summary of a verdict on a complete, consistent selection."""
     residual = verdict.check.residual
     if verdict.verified_by == "model":
         text = (
@@ -176,9 +275,9 @@ def verdict_message(verdict: Verdict, b: int, has_model: bool) -> str:
             text += f"; sample(s) {repeated} occur {mult[repeated].tolist()} times (exact duplicates)"
         if verdict.reduction.missing:
             text += (
-                f"; the client's batch holds {verdict.reduction.batch_size} samples (mean loss): "
-                f"{verdict.reduction.missing} left no trace in this layer (no active neuron) and "
-                "cannot be recovered from it"
+                f"; the loss weights say 1/{verdict.reduction.batch_size} per sample: either "
+                f"{verdict.reduction.missing} sample(s) left no trace in this layer (no active neuron; "
+                "they cannot be recovered from it), or the update was scaled (learning rate, clipping)"
             )
         return text
     if verdict.verified_by == "layer":
@@ -186,13 +285,4 @@ def verdict_message(verdict: Verdict, b: int, has_model: bool) -> str:
             f"exact: all {b} inputs recovered and verified by this layer's gradient (residual "
             f"{residual:.1e}; every sample pinned by its zero set)"
         )
-    if verdict.certificates is not None:
-        unfit = (~verdict.certificates.ok).nonzero()[:, 0].tolist()
-        return (
-            f"consistent but not certified: the model singles out no label for sample(s) {unfit} "
-            "(several labels fit: the rest of the network cannot tell them apart; or none: e.g. "
-            "samples this layer cannot separate, or a duplicated input with different labels)"
-        )
-    reasons = "; ".join(verdict.determinacy.reasons)
-    hint = "" if has_model else "; attack_layer with the model can certify samples one by one"
-    return f"consistent but not determined: {reasons}{hint}"
+    return "consistent but not certified: " + "; ".join(verdict.problems)

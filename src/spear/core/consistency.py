@@ -164,7 +164,11 @@ def proportional_pairs(grad_outputs: torch.Tensor, zero: torch.Tensor) -> list[t
 
 
 def ambiguous_groups(
-    L: torch.Tensor, directions: torch.Tensor, zero: torch.Tensor, certified: torch.Tensor | None = None
+    L: torch.Tensor,
+    directions: torch.Tensor,
+    zero: torch.Tensor,
+    certified: torch.Tensor | None = None,
+    pinned: torch.Tensor | None = None,
 ) -> Determinacy:
     """Pinned columns and ambiguous groups of a selection.
 
@@ -174,10 +178,13 @@ def ambiguous_groups(
         zero: (b, rows) their zero masks (``<= zero_rtol``).
         certified: (b,) bool, columns whose samples were already certified one by one (by
             peeling's two-layer certificate): they are never part of a group.
+        pinned: (b,) bool, when already known (the candidate pool's robustness flags come from
+            the same computation); else computed here.
     """
     b = directions.shape[0]
-    _, one_dim, robust = kernel_of_rows(L, zero)
-    pinned = one_dim & robust
+    if pinned is None:
+        _, one_dim, robust = kernel_of_rows(L, zero)
+        pinned = one_dim & robust
     sure = torch.zeros(b, dtype=torch.bool, device=L.device) if certified is None else certified.to(L.device)
     groups: list[set[int]] = []
     reasons: list[str] = []

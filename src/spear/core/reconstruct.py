@@ -512,7 +512,8 @@ class _Attack:
                 return
             if self.best is not None and selection.sigma < self.best.sigma:
                 return
-            verdict = self._judge(selection, pool.certified[list(selection.indices)])
+            chosen = list(selection.indices)
+            verdict = self._judge(selection, pool.certified[chosen], pool.robust[chosen])
             if verdict is not None and verdict.reject and self.gate.active:
                 pool.reject([selection.indices[i] for i in verdict.reject])
                 self.best, self.verdict = None, None
@@ -520,14 +521,14 @@ class _Attack:
             self.best, self.verdict = selection, verdict
             return
 
-    def _judge(self, selection: Selection, certified: torch.Tensor) -> Verdict | None:
+    def _judge(self, selection: Selection, certified: torch.Tensor, robust: torch.Tensor) -> Verdict | None:
         if not selection.perfect:
             return None
         assembled, check = self.setup.assemble_and_check(selection)
         factor = self.setup.problem.sparse_factor
         known = self._peeled_certificates(selection, certified)
-        s = self.setup
-        return judge(selection, factor, certified, assembled, check, s.tol, self.gate, self.facts, known)
+        tol, gate, facts = self.setup.tol, self.gate, self.facts
+        return judge(selection, factor, certified, assembled, check, tol, gate, facts, known, robust)
 
     def _peeled_certificates(self, selection: Selection, certified: torch.Tensor) -> SampleCertificates:
         """The model certificates peeling already issued for the selection's peeled columns."""

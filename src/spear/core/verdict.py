@@ -141,14 +141,15 @@ def judge(
     gate: ModelGate,
     facts: LayerFacts,
     known: SampleCertificates | None = None,
+    pinned: torch.Tensor | None = None,
 ) -> Verdict:
     """The verdict on ``selection`` (whose columns ``certified`` were peeled and certified one
     by one), given its assembled inputs and full-width dL/dZ and their gradient check.
     ``known`` holds model certificates already issued for some columns (where ``ok``): only
-    the others are checked again."""
+    the others are checked again; ``pinned`` the columns' pins when the pool knows them."""
     inputs, grad_outputs = assembled
     zero = zero_mask((sparse_factor @ selection.Qbar).T, tol.zero_rtol)
-    determinacy = ambiguous_groups(sparse_factor, selection.Qbar.T, zero, certified)
+    determinacy = ambiguous_groups(sparse_factor, selection.Qbar.T, zero, certified, pinned)
     pinned = (determinacy.pinned | certified) & facts.resolvable
     consistent = check.verified and selection.perfect
     cert = _certify_rest(gate, inputs, grad_outputs.T, pinned, known) if consistent else None

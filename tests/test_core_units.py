@@ -20,6 +20,15 @@ def true_directions(client, split):
     return Q / Q.norm(dim=0), Q
 
 
+def layer_problem(client):
+    """The first layer's tensors, split, problem and unit true directions (evaluation only)."""
+    W, bias, GW, Gb = (t.detach() for t in client.layer_args())
+    split = low_rank_split(GW)
+    problem = LayerProblem(W, bias, Gb, split.L, split.R)
+    Qt, _ = true_directions(client, split)
+    return W, bias, GW, Gb, split, problem, Qt
+
+
 @pytest.mark.parametrize("b", [1, 3, 7, 15])
 def test_rank_is_batch_size(b):
     client = make_client(b, width=100, seed=b)
@@ -113,10 +122,7 @@ def test_sigma_is_one_for_truth_and_lower_for_a_wrong_column():
 
 def test_verification_rejects_wrong_selection_and_accepts_truth():
     client = make_client(6, width=120, seed=6)
-    W, bias, GW, Gb = (t.detach() for t in client.layer_args())
-    split = low_rank_split(GW)
-    problem = LayerProblem(W, bias, Gb, split.L, split.R)
-    Qt, _ = true_directions(client, split)
+    W, bias, GW, Gb, _, problem, Qt = layer_problem(client)
     ok = verify(W, bias, GW, Gb, client.inputs, client.grad_z, "output", 1e-8)
     assert ok.verified and ok.residual < 1e-12
     wrong = Qt.clone()
@@ -132,10 +138,7 @@ def test_verification_rejects_wrong_selection_and_accepts_truth():
 
 def test_greedy_stage_two_fixes_a_wrong_stage_one_choice():
     client = make_client(8, width=200, seed=7)
-    W, bias, GW, Gb = (t.detach() for t in client.layer_args())
-    split = low_rank_split(GW)
-    problem = LayerProblem(W, bias, Gb, split.L, split.R)
-    Qt, _ = true_directions(client, split)
+    *_, split, problem, Qt = layer_problem(client)
     # a very sparse impostor: stage 1 picks it first, stage 2 must swap it out
     impostor = (Qt[:, 0] + Qt[:, 1]) / torch.linalg.norm(Qt[:, 0] + Qt[:, 1])
     directions = torch.cat([impostor[None], Qt.T])
@@ -167,10 +170,7 @@ def test_sampler_hits_true_directions():
 
 def test_score_handles_singular_sets():
     client = make_client(5, width=80, seed=9)
-    W, bias, GW, Gb = (t.detach() for t in client.layer_args())
-    split = low_rank_split(GW)
-    problem = LayerProblem(W, bias, Gb, split.L, split.R)
-    Qt, _ = true_directions(client, split)
+    *_, split, problem, Qt = layer_problem(client)
     singular = Qt.clone()
     singular[:, 1] = singular[:, 0]  # a repeated direction
     batch = torch.stack([Qt, singular])
@@ -252,10 +252,7 @@ def test_greedy_takes_the_best_swap_of_a_sweep():
     import itertools
 
     client = make_client(8, width=200, seed=34)
-    W, bias, GW, Gb = (t.detach() for t in client.layer_args())
-    split = low_rank_split(GW)
-    problem = LayerProblem(W, bias, Gb, split.L, split.R)
-    Qt, _ = true_directions(client, split)
+    *_, split, problem, Qt = layer_problem(client)
     # two impostors that stage 1 takes first, then the true columns: the first swap that helps
     # is not the best one
     wrong = [Qt[:, 0] + 0.7 * Qt[:, 1], Qt[:, 2] - 0.4 * Qt[:, 3], Qt[:, 0] + 0.2 * Qt[:, 5]]
@@ -305,10 +302,7 @@ def test_sigma_counts_both_directions_of_the_relu():
 
 def test_score_rejects_a_column_that_vanishes_where_its_sample_is_active():
     client = make_client(8, width=200, seed=36)
-    W, bias, GW, Gb = (t.detach() for t in client.layer_args())
-    split = low_rank_split(GW)
-    problem = LayerProblem(W, bias, Gb, split.L, split.R)
-    Qt, _ = true_directions(client, split)
+    *_, split, problem, Qt = layer_problem(client)
     masks = zero_mask((split.L @ Qt).T, 1e-9)
     assert float(score(problem, Qt[None], masks[None])[0][0]) == 1.0
     claimed = masks.clone()

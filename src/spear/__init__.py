@@ -10,7 +10,7 @@ Public API::
 
 from spear import fl, theory
 from spear.api import attack_layer, build_options, reconstruct
-from spear.core.reconstruct import AttackOptions, AttackStats, ProgressEvent, Reconstruction
+from spear.core.result import AttackOptions, AttackStats, ProgressEvent, Reconstruction
 from spear.errors import InputError, NoSparsityError, RankError, SpearError, TheoryError
 
 __version__ = "0.1.0"

@@ -19,7 +19,8 @@ from spear.certify import ModelCertifier, check_sparsity_side, model_tail
 from spear.core.certificate import SampleCertifier
 from spear.core.consistency import Tolerances
 from spear.core.proposers import DirectionProposer
-from spear.core.reconstruct import AttackOptions, Reconstruction, run_attack
+from spear.core.reconstruct import run_attack
+from spear.core.result import AttackOptions, Reconstruction
 from spear.errors import InputError
 
 _OPTION_NAMES = {f.name for f in dataclasses.fields(AttackOptions)}

@@ -13,7 +13,7 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from spear import theory as theory_module
-from spear.core.reconstruct import ProgressEvent
+from spear.core.result import ProgressEvent
 from spear.errors import SpearError
 
 app = typer.Typer(

@@ -13,8 +13,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -40,7 +39,8 @@ from spear.core.proposers import (
     ProposalContext,
     RandomSubmatrixSampler,
 )
-from spear.core.scale import LayerProblem, SparsityMode
+from spear.core.result import AttackOptions, AttackStats, ProgressEvent, Reconstruction
+from spear.core.scale import LayerProblem
 from spear.core.search import ResidualSearch
 from spear.core.verdict import WEIGHT_PRECISION, LayerFacts, ModelGate, Verdict, judge, verdict_message
 from spear.core.verify import verify
@@ -57,181 +57,6 @@ DEAD_ROW_RTOL = 1e-12
 MAX_REJECTION_ROUNDS = 4
 #: peeled samples whose model weights agree before any of them counts as one sample's weight
 WEIGHT_QUORUM = 3
-
-
-@dataclass(frozen=True)
-class ProgressEvent:
-    """A snapshot of a running attack, passed to the ``progress`` callback after every step."""
-
-    proposals: int
-    max_proposals: int
-    candidates: int
-    consistent_directions: int
-    batch_size: int
-    sigma: float | None
-    seconds: float
-    certified: int = 0  # samples recovered and certified one by one (core.peeling)
-
-
-@dataclass(frozen=True)
-class AttackOptions:
-    """Options of one attack. Every field has a default; see ``spear.reconstruct``.
-
-    Attributes:
-        max_proposals: proposal budget N (Algorithm 1). None: 20x Lemma 5.2's expectation,
-            clipped to [1e6, 2e9].
-        chunk_size: proposals per vectorized step.
-        p_fr: false-rejection rate; tau follows from the binomial CDF (Section 4.1).
-        seed: seed of every random choice (an integer).
-        dtype: working dtype of the exact stages (float64 for exact results).
-        proposal_dtype: dtype the sampler drafts proposals in (float32 is ~2x faster; survivors
-            are re-solved in ``dtype``).
-        device: "cpu" or "cuda".
-        time_budget: seconds after which the attack stops and returns its best result.
-        early_stop: stop as soon as sigma = 1 (Algorithm 1, line 9).
-        sparsity: "output" when the layer is followed by a ReLU (dL/dZ sparse, the default),
-            "input" when it is preceded by one (X sparse, Section 3.2).
-        batch_size: known batch size; overrides the numerical-rank estimate.
-        rank_rtol: relative singular-value threshold of the rank estimate, in (0, 1).
-        zero_rtol: entries below ``zero_rtol * max`` count as zeros, in (0, 1).
-        verify_rtol: relative tolerance of the gradient verification, in (0, 1).
-        proposer: a :class:`DirectionProposer`, or a name: "auto" (default: random sampling for
-            small batches; for large ones next-layer zero sets, neuron-guided and
-            complement-guided sampling and ICA+IRLS, see :class:`AutoProposer`), "sampling" (the
-            paper's Algorithm 1), "irls", "guided", "neurons", "next_layer" (one strategy only).
-        peel: recover samples one at a time through the next layer's weight gradient, when it
-            is given, and continue on the residual problem of the others (:mod:`spear.core.peeling`).
-        progress: called with a :class:`ProgressEvent` after every step.
-    """
-
-    max_proposals: int | None = None
-    chunk_size: int = 4096
-    p_fr: float = 1e-5
-    seed: int = 0
-    dtype: torch.dtype = torch.float64
-    proposal_dtype: torch.dtype = torch.float32
-    device: str = "cpu"
-    time_budget: float | None = None
-    early_stop: bool = True
-    sparsity: SparsityMode = "output"
-    batch_size: int | None = None
-    rank_rtol: float | None = None
-    zero_rtol: float | None = None
-    verify_rtol: float | None = None
-    proposer: DirectionProposer | str = "auto"
-    peel: bool = True
-    progress: Callable[[ProgressEvent], None] | None = field(default=None, compare=False)
-
-
-@dataclass(frozen=True)
-class AttackStats:
-    proposals: int
-    candidates: int
-    seconds: float
-    seed: int
-    proposer: str
-    stop_reason: str  # "sigma=1", "budget", "time budget", "interrupted", "exhausted", "trivial"
-    threshold_count: int
-    tau: float
-    certified: int = 0  # samples peeled and certified one by one (core.peeling)
-    dead_neurons: int = 0  # neurons inactive for the whole batch (left out of the search)
-    certificate_seconds: float = 0.0  # time spent in the model-level certificate
-
-    def as_dict(self) -> dict:
-        return dict(self.__dict__)
-
-
-@dataclass(frozen=True)
-class Reconstruction:
-    """The result of one attack on one layer.
-
-    Attributes:
-        inputs: (b, n) reconstructed batch in arbitrary order, or None when fewer than b
-            independent directions were found (then ``message`` says so).
-        grad_outputs: (m, b) reconstructed dL/dZ (columns in the order of ``inputs``).
-        batch_size: b, the numerical rank of dL/dW.
-        sigma: sparsity-matching coefficient of the result (Definition 4.1, tolerance-aware);
-            1 means every entry of dL/dZ matches the ReLU pattern of the reconstructed
-            pre-activations, both ways.
-        verified: the batch is proven, at the level ``verified_by`` names: "model" (every sample
-            certified on its own through the rest of the network, labels recovered) or "layer"
-            (gradients reproduced, ReLU pattern consistent both ways, and every sample pinned by
-            its zero set, so no other batch is consistent with this layer's gradient). See
-            "What verified means" in the README.
-        residual: the relative error of the recomputed gradients.
-        consistent_directions: how many of the b columns match the ReLU pattern entry for entry.
-        directions: (b, b) unit directions (columns), scales: (b,) Theorem 3.6's scales.
-        singular_values: all singular values of dL/dW, to inspect the rank gap.
-        stats: proposals, candidates, seconds, seed, stop reason.
-        message: a one-line human summary.
-        certified_inputs: (f, n) the samples recovered and certified one at a time (through
-            the next layer's gradient, or the model), or None. They are exact even when the
-            whole batch was not recovered (then ``inputs`` is None).
-        labels: (b,) the label of each sample, from the model-level certificate (-1 where it
-            did not certify one), or None without a model.
-        multiplicities: (b,) how often each sample occurs (exact duplicates share a column), and
-            ``reduction`` ("mean" or "sum"), when the model-level certificate could tell.
-        client_batch_size, missing_samples: for a mean loss, the client's batch size B (read off
-            the loss weight 1/B) and how many of its samples left no trace in this layer (every
-            neuron inactive for them: no attack on this layer can see them).
-        consistent: the gradients are reproduced and sigma = 1 (necessary, not sufficient).
-        ambiguous: groups of sample indices (into ``inputs``) that this layer's gradient does
-            not determine (e.g. samples sharing an activation pattern: only their span is).
-        certified_labels: (f,) labels of ``certified_inputs`` (-1 where unknown), or None.
-        notes: further remarks (e.g. why the model certificate was switched off).
-    """
-
-    inputs: torch.Tensor | None
-    grad_outputs: torch.Tensor | None
-    batch_size: int
-    sigma: float
-    verified: bool
-    residual: float
-    consistent_directions: int
-    directions: torch.Tensor | None
-    scales: torch.Tensor | None
-    singular_values: torch.Tensor
-    stats: AttackStats
-    message: str
-    mode: SparsityMode = "output"
-    certified_inputs: torch.Tensor | None = None
-    labels: torch.Tensor | None = None
-    multiplicities: torch.Tensor | None = None
-    reduction: str | None = None
-    verified_by: str | None = None
-    consistent: bool = False
-    ambiguous: tuple[tuple[int, ...], ...] = ()
-    certified_labels: torch.Tensor | None = None
-    notes: tuple[str, ...] = ()
-    client_batch_size: int | None = None
-    missing_samples: int | None = None
-
-    def summary(self) -> dict:
-        """JSON-ready summary (no tensors)."""
-
-        def listed(t: torch.Tensor | None) -> list | None:
-            return None if t is None else [int(v) for v in t.tolist()]
-
-        return {
-            "batch_size": self.batch_size,
-            "verified": self.verified,
-            "verified_by": self.verified_by,
-            "consistent": self.consistent,
-            "residual": self.residual,
-            "sigma": self.sigma,
-            "consistent_directions": self.consistent_directions,
-            "certified_samples": 0 if self.certified_inputs is None else int(self.certified_inputs.shape[0]),
-            "labels": listed(self.labels),
-            "multiplicities": listed(self.multiplicities),
-            "reduction": self.reduction,
-            "client_batch_size": self.client_batch_size,
-            "missing_samples": self.missing_samples,
-            "ambiguous": [list(g) for g in self.ambiguous],
-            "mode": self.mode,
-            "message": self.message,
-            "notes": list(self.notes),
-            "stats": self.stats.as_dict(),
-        }
 
 
 def default_max_proposals(b: int) -> int:

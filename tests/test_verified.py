@@ -273,17 +273,19 @@ def duplicate_batch(n, seed, shift_in_null_space=False):
 
 
 def test_exact_duplicates_are_reported_with_their_multiplicity():
-    # n = 40 <= active neurons: equal activations imply equal inputs, so k = 2 means duplicates
+    # the column of a duplicated sample carries twice one sample's weight: reported, but not
+    # verified, since samples whose gradients merely coincide (null space of W, a saturated
+    # softmax, near-duplicates) give the same column
     x, _, batch = duplicate_batch(40, seed=5)
     rec = spear.attack_layer(batch.model, "0", batch.grads)
-    assert rec.batch_size == 7 and rec.verified and rec.reduction == "mean", rec.message
+    assert rec.batch_size == 7 and not rec.verified and rec.consistent
     distinct = torch.cat([x[:6], x[7:]])
-    assert exact(rec.inputs, distinct)
+    assert exact(rec.inputs, distinct)  # here the mean is the duplicated sample itself
     r, c = match_rows(rec.inputs, distinct)
     expected = torch.ones(7, dtype=torch.long)
     expected[3] = 2  # x[3] == x[6]
     assert torch.equal(rec.multiplicities[r], expected[c]) and rec.client_batch_size == 8
-    assert "duplicates" in rec.message
+    assert "exact duplicates" in rec.message and "only their mean is determined" in rec.message
 
 
 @pytest.mark.parametrize("shifted", [False, True])
@@ -394,17 +396,19 @@ def test_the_model_certificate_needs_a_unique_label():
     assert torch.equal(cert.labels[cert.ok], y[cert.ok]) and bool((cert.labels[~cert.ok] == -1).all())
 
 
-def test_a_certificate_that_does_not_fit_the_model_is_switched_off():
-    # the client used a loss the certificate does not assume (MSE on one-hot targets): the
-    # samples the layer pins down fail it, so it is switched off instead of discarding them
+def test_a_certificate_that_does_not_fit_the_client_says_so():
+    # the client used a loss the certificate does not assume (MSE on one-hot targets): nothing is
+    # verified through the model, the result says why, and certify=False gives the layer level
     x, y = gaussian(8, 300, seed=11)
     model = mlp(300, 200, seed=11)
     loss = torch.nn.functional.mse_loss(model(x), torch.nn.functional.one_hot(y, 10).double())
     loss.backward()
     grads = {n: p.grad for n, p in model.named_parameters()}
     rec = spear.attack_layer(model, "0", grads)
-    assert rec.verified and rec.verified_by == "layer" and exact(rec.inputs, x)
-    assert any("switched off" in note for note in rec.notes)
+    assert not rec.verified and exact(rec.inputs, x)
+    assert any("certify=False" in note for note in rec.notes)
+    layer = spear.attack_layer(model, "0", grads, certify=False)
+    assert layer.verified and layer.verified_by == "layer" and exact(layer.inputs, x)
 
 
 # --- options and bad input --------------------------------------------------------------------------
@@ -562,3 +566,37 @@ def test_working_dtype_float32_and_noisy_gradients_get_the_right_batch_size():
         spear.reconstruct(W, bias, GW + noise, Gb)
     with pytest.raises(NoSparsityError, match="batch_size=9 was given but the gradient's numerical rank"):
         spear.reconstruct(*layer_args(batch), batch_size=9)
+
+
+def test_saturated_pairs_are_not_verified_nor_certified():
+    # a bias-free network whose softmax is saturated (confidently wrong): x and 3x share every
+    # pattern and have one gradient, so each pair makes one column of 2x; all weights agree
+    torch.manual_seed(0)
+    model = mlp(20, 100)
+    with torch.no_grad():
+        for module in model:
+            if isinstance(module, torch.nn.Linear):
+                module.bias.zero_()
+        model[4].weight.mul_(5000)
+    x = torch.randn(8, 20, dtype=torch.float64)
+    x[1::2] = 3 * x[0::2]
+    with torch.no_grad():
+        y = (model(x).argmax(1) + 1) % 10
+    y[1::2] = y[0::2]
+    rec = spear.attack_layer(model, "0", make_batch(x, y, model).grads, max_proposals=50_000)
+    assert not rec.verified and "saturated" in rec.message
+    assert_certified_rows_true(rec, x)
+
+
+def test_a_zero_bias_layer_with_a_scaled_copy_certifies_no_wrong_sample():
+    # kaiming init (zero biases) and x1 = 0.5 x0 with the same label: dL/dW loses rank and
+    # dL/db leaves the span of L; the model rejects the wrongly scaled samples, and nothing it
+    # rejects is kept
+    for seed in range(2):
+        model = spear.fl.fully_connected(50, 200, 4, 10, init="kaiming", seed=seed)
+        torch.manual_seed(seed)
+        x, y = torch.rand(10, 50, dtype=torch.float64), torch.randint(0, 10, (10,))
+        x[1], y[1] = 0.5 * x[0], y[0]
+        rec = spear.attack_layer(model, "0", make_batch(x, y, model).grads, max_proposals=20_000)
+        assert_promise(rec, x)
+        assert_certified_rows_true(rec, x)

@@ -24,6 +24,9 @@ from spear.core.result import AttackOptions, Reconstruction
 from spear.errors import InputError
 
 _OPTION_NAMES = {f.name for f in dataclasses.fields(AttackOptions)}
+#: a sample is saturated when its gradient changes by at most this many eps (of the gradient's
+#: dtype) per relative change of its pre-activations (see spear.certify.ModelCertifier)
+SATURATION_EPS = 1e3
 
 
 def _as_tensor(name: str, value: Any) -> torch.Tensor:
@@ -298,9 +301,12 @@ def attack_layer(
     tail = model_tail(model, layer)
     check_sparsity_side(tail, layer, options.get("sparsity", "output"))
     if certify and tail is not None and "certifier" not in options:
-        dtype = source_precision(_as_tensor("gradient", grads[prefix + "weight"]))
+        working_dtype = options.get("dtype", torch.float64)
+        working = torch.empty(0, dtype=working_dtype if isinstance(working_dtype, torch.dtype) else None)
+        dtype = source_precision(_as_tensor("gradient", grads[prefix + "weight"]), working)
         rtol = options.get("verify_rtol") or Tolerances.for_dtype(dtype).verify_rtol
-        options["certifier"] = ModelCertifier(tail, module.weight, module.bias, rtol, loss)
+        saturation = SATURATION_EPS * torch.finfo(dtype).eps
+        options["certifier"] = ModelCertifier(tail, module.weight, module.bias, rtol, loss, saturation)
     return reconstruct(
         module.weight, module.bias, grads[prefix + "weight"], grads[prefix + "bias"], **options
     )

@@ -16,8 +16,8 @@ combination of samples' gradients is not the gradient of the combined sample). I
 any layer, first or later, whose tail is known: for ``nn.Sequential`` models (nested ones too)
 spear-fl finds it itself (:func:`model_tail`).
 
-Assumptions (when they fail, the attack notices and switches the certificate off, see
-:class:`spear.core.verdict.ModelGate`): a per-sample classification loss (cross-entropy by
+Assumptions (when they fail, nothing verifies through the model and the result's notes say
+why, see :class:`spear.core.verdict.ModelGate`): a per-sample classification loss (cross-entropy by
 default, or any ``loss(logits, labels) -> per-sample losses``), and a tail without batch
 coupling (no batch-norm statistics, no dropout: it runs in eval mode).
 """
@@ -115,6 +115,10 @@ class ModelCertifier:
         weight, bias: the layer's W (m x n) and b (m,).
         rtol: relative misfit up to which a sample is certified (the verification tolerance of
             the gradient's dtype is the right scale).
+        saturation: a sample whose gradient changes by at most this (relative) per relative
+            change of its pre-activations is *saturated* (see ``SampleCertificates``); about
+            1e3 eps of the gradient's dtype: below, two such samples' columns coincide within
+            its precision.
         loss: "cross_entropy" or a callable ``loss(logits, labels) -> per-sample losses``;
             every label ``0..C-1`` (C = the tail's output width) is tried.
     """
@@ -126,6 +130,7 @@ class ModelCertifier:
         bias: torch.Tensor,
         rtol: float,
         loss: str | LossFn = "cross_entropy",
+        saturation: float = 0.0,
     ) -> None:
         if isinstance(loss, str):
             if loss != "cross_entropy":
@@ -138,6 +143,7 @@ class ModelCertifier:
         for p in self.tail.parameters():
             p.requires_grad_(False)
         self.rtol = rtol
+        self.saturation = saturation
         with torch.no_grad():
             out = self.tail(self.bias[None])
         if out.ndim != 2:
@@ -156,6 +162,21 @@ class ModelCertifier:
             loss = self.loss(self.tail(rep), labels).sum()
             (grad,) = torch.autograd.grad(loss, rep)
         return grad.view(k, C, m)
+
+    def _sensitivity(self, z: torch.Tensor, label: torch.Tensor) -> torch.Tensor:
+        """``|H u| |z| / |g|`` per sample: the relative change of the per-sample gradient g per
+        relative change of the pre-activations z along ``u = z / |z|`` (H: the loss's Hessian
+        in z; zero where the softmax is saturated)."""
+        zz = z.detach().requires_grad_(True)
+        with torch.enable_grad():
+            loss = self.loss(self.tail(zz), label).sum()
+            (g,) = torch.autograd.grad(loss, zz, create_graph=True)
+            u = (zz / zz.norm(dim=1, keepdim=True).clamp_min(1e-300)).detach()
+            (hu,) = torch.autograd.grad((g * u).sum(), zz, allow_unused=True)
+        if hu is None:
+            hu = torch.zeros_like(zz)
+        tiny = torch.finfo(z.dtype).tiny
+        return (hu.norm(dim=1) * zz.norm(dim=1) / g.detach().norm(dim=1).clamp_min(tiny)).detach()
 
     @staticmethod
     def _discriminative(g: torch.Tensor, label: torch.Tensor) -> torch.Tensor:
@@ -189,7 +210,9 @@ class ModelCertifier:
                 runner_up = torch.full_like(best, torch.inf)
             ok = (best <= self.rtol) & (runner_up > self.rtol)
             out.ok[part] = ok
-            out.strong[part] = ok & self._discriminative(g, label)
+            saturated = self._sensitivity(x[part] @ self.weight.T + self.bias, label) <= self.saturation
+            out.saturated[part] = ok & saturated
+            out.strong[part] = ok & self._discriminative(g, label) & ~saturated
             out.labels[part] = torch.where(ok, label, -1)
             out.weights[part] = torch.where(ok, weight.gather(1, label[:, None])[:, 0], torch.nan)
             out.misfit[part] = best

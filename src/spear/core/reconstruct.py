@@ -42,7 +42,7 @@ from spear.core.proposers import (
 from spear.core.result import AttackOptions, AttackStats, ProgressEvent, Reconstruction
 from spear.core.scale import LayerProblem
 from spear.core.search import ResidualSearch
-from spear.core.verdict import WEIGHT_PRECISION, LayerFacts, ModelGate, Verdict, judge, verdict_message
+from spear.core.verdict import WEIGHT_PRECISION, ModelGate, Verdict, judge, verdict_message
 from spear.core.verify import verify
 from spear.errors import InputError, NoSparsityError, RankError
 
@@ -166,12 +166,10 @@ class AttackSetup:
         return self.split.batch_size
 
     @property
-    def facts(self) -> LayerFacts:
-        """What the verdict needs beyond a selection (see :class:`LayerFacts`)."""
+    def resolvable(self) -> bool:
+        """Whether the batch's zero sets can be trusted (:func:`~spear.core.consistency.resolvable`)."""
         eps = torch.finfo(self.source_dtype).eps
-        ok = resolvable(self.split.singular_values, self.b, self.tol.zero_rtol, eps)
-        exact = self.source_dtype == torch.float64
-        return LayerFacts(self.layer.weight, self.layer.bias, ok, exact)
+        return resolvable(self.split.singular_values, self.b, self.tol.zero_rtol, eps)
 
     @property
     def elapsed(self) -> float:
@@ -245,7 +243,7 @@ class _Attack:
         self.calls = 0
         self.probed = False
         self.weights_seen: list[float] = []  # loss weights the model certificate fitted
-        self.facts = setup.facts
+        self.resolvable = setup.resolvable
         self.notes: list[str] = []
 
     # --- one step ---------------------------------------------------------------------------
@@ -281,7 +279,7 @@ class _Attack:
         outcome = self.peeler.peel(snapped.directions, snapped.zero_masks)
         samples = outcome.samples
         position = outcome.consistent.nonzero()[:, 0]
-        accept = outcome.robust[position] & self.facts.resolvable
+        accept = outcome.robust[position] & self.resolvable
         if len(samples):
             grads = self.setup.expand(self.setup.problem.L @ samples.duals.T).T
             cert = self.gate.check(samples.inputs, grads, accept)
@@ -294,9 +292,10 @@ class _Attack:
                 samples.weights = torch.where(ok, cert.weights.to(samples.weights), torch.nan)
                 # with a model, a sample counts only if it fits it as one sample: a column whose
                 # weight is a multiple of one sample's stands for several (only their mean is
-                # determined), and one no label fits may be a merge of samples the layer cannot
-                # separate
-                accept = (accept & ok & single) | samples.strong
+                # determined), one no label fits may be a merge of samples the layer cannot
+                # separate, and a saturated one may stand for several that share its pattern
+                saturated = cert.saturated.to(ok.device)
+                accept = (accept & ok & single & ~saturated) | samples.strong
         samples, position = samples.select(accept), position[accept]
         keep = mutually_consistent(self.peeled, samples, self.setup.tol.verify_rtol)
         certified = torch.zeros(snapped.directions.shape[0], dtype=torch.bool, device=position.device)
@@ -339,7 +338,7 @@ class _Attack:
                 return
             chosen = list(selection.indices)
             verdict = self._judge(selection, pool.certified[chosen], pool.robust[chosen])
-            if verdict is not None and verdict.reject and self.gate.active:
+            if verdict is not None and verdict.reject:
                 pool.reject([selection.indices[i] for i in verdict.reject])
                 self.best, self.verdict = None, None
                 continue
@@ -352,8 +351,8 @@ class _Attack:
         assembled, check = self.setup.assemble_and_check(selection)
         factor = self.setup.problem.sparse_factor
         known = self._peeled_certificates(selection, certified)
-        tol, gate, facts = self.setup.tol, self.gate, self.facts
-        return judge(selection, factor, certified, assembled, check, tol, gate, facts, known, robust)
+        tol, gate, ok = self.setup.tol, self.gate, self.resolvable
+        return judge(selection, factor, certified, assembled, check, tol, gate, ok, known, robust)
 
     def _peeled_certificates(self, selection: Selection, certified: torch.Tensor) -> SampleCertificates:
         """The model certificates peeling already issued for the selection's peeled columns."""
@@ -564,7 +563,7 @@ def _single_sample(setup: AttackSetup, gate: ModelGate) -> Reconstruction:
     if selection.perfect:
         assembled, check = setup.assemble_and_check(selection)
         certified = torch.zeros(1, dtype=torch.bool, device=factor.device)
-        verdict = judge(selection, factor, certified, assembled, check, setup.tol, gate, setup.facts)
+        verdict = judge(selection, factor, certified, assembled, check, setup.tol, gate, setup.resolvable)
     return finish(setup, selection, verdict, gate, _no_peeled(setup), None, "trivial")
 
 

@@ -134,7 +134,8 @@ class Reconstruction:
         ambiguous: groups of sample indices (into ``inputs``) that this layer's gradient does
             not determine (e.g. samples sharing an activation pattern: only their span is).
         certified_labels: (f,) labels of ``certified_inputs`` (-1 where unknown), or None.
-        notes: further remarks (e.g. why the model certificate was switched off).
+        notes: further remarks (e.g. that the model's certificate fits no sample, or that the
+            columns are too dense for the sparsity filter).
     """
 
     inputs: torch.Tensor | None

@@ -76,10 +76,10 @@ class ResidualSearch:
         """Exact directions of the whole layer from a batch of proposals on the current one.
 
         On a residual problem the proposals are snapped there (their hints are row sets of its b'
-        dimensions) and lifted. Subtracting the peeled samples leaves rounding errors of ~1e-10
-        on true zeros, so a direction a few zeros short of the threshold there is solved again
-        exactly on the whole layer, where the threshold applies (except for the last sample's
-        forced direction, see ``_resolve``)."""
+        dimensions, with a threshold relaxed for the ~1e-10 rounding errors that subtracting the
+        peeled samples leaves on true zeros) and lifted; the threshold then applies as usual.
+        Only the last sample's forced direction, a few zeros short, is solved again exactly on
+        the whole layer (``_resolve``)."""
         threshold = self.root.threshold_count
         if self.basis is not None:
             threshold = max(self.ctx.batch_size - 1, math.floor(RESIDUAL_THRESHOLD * threshold))
@@ -96,12 +96,13 @@ class ResidualSearch:
             return snapped
         lifted = lift(snapped, self.basis)
         done = lifted.zero_counts >= self.root.threshold_count
-        if bool(done.all()):
-            return lifted
+        if bool(done.all()) or not self.on_last_sample:
+            return lifted.select(done)
         return SnapResult.concat([lifted.select(done), self._resolve(lifted.select(~done), tol, known)])
 
     def _resolve(self, lifted: SnapResult, tol: Tolerances, known: torch.Tensor) -> SnapResult:
-        """Lifted directions solved again exactly on their zero sets in the whole layer."""
+        """The last sample's lifted direction solved again exactly on its zero set in the whole
+        layer."""
         # the last sample's direction is forced (no search, so no false acceptance to bound):
         # any column pinned by its zeros goes on to be certified by peeling or the model
         final = self.root.batch_size - 1 if self.on_last_sample else self.root.threshold_count

@@ -37,16 +37,18 @@ from spear.core.verify import Verification
 #: loss weights must fit k/B (or integers) to this many times the verification tolerance
 WEIGHT_PRECISION = 10
 #: layer-pinned samples that must fail the model certificate, with none passing it, before the
-#: certificate is judged not to apply to this model (another loss, dropout, batch norm, ...)
+#: result notes that it may not apply to this client (another loss, dropout, batch norm, ...)
 MODEL_CALIBRATION = 3
 
 
 class ModelGate:
-    """Runs an optional :class:`SampleCertifier` and notices when it cannot apply.
+    """Runs an optional :class:`SampleCertifier` and keeps count.
 
-    A certificate that rejects samples the layers already pin down, and has never accepted one,
-    assumes the wrong loss or model; it is then switched off (``note`` says why) rather than
-    allowed to throw away correct samples.
+    With a model, only its certificate verifies. When it rejects samples that the layers pin
+    down and has never accepted one, its assumptions may not fit this client (another loss,
+    dropout or batch statistics in the model); it stays on (a wrong batch also fails it), but
+    ``note`` says so, and candidates are not thrown away on its word until it has accepted a
+    sample (``trusted``).
     """
 
     def __init__(self, certifier: SampleCertifier | None) -> None:
@@ -54,16 +56,30 @@ class ModelGate:
         self.passed = 0
         self.failed_pinned = 0
         self.seconds = 0.0
-        self.note: str | None = None
 
     @property
     def active(self) -> bool:
-        return self.certifier is not None and self.note is None
+        return self.certifier is not None
+
+    @property
+    def trusted(self) -> bool:
+        """Whether the certificate has accepted a sample yet (it fits this client)."""
+        return self.passed > 0
+
+    @property
+    def note(self) -> str | None:
+        if self.passed or self.failed_pinned < MODEL_CALIBRATION:
+            return None
+        return (
+            f"the model's certificate fits none of the {self.failed_pinned} samples this layer pins "
+            "down: if the client's loss is not per-sample cross-entropy, or the model has dropout or "
+            "batch statistics in training mode, pass loss= or certify=False (layer-level verification)"
+        )
 
     def check(
         self, inputs: torch.Tensor, grad_outputs: torch.Tensor, pinned: torch.Tensor
     ) -> SampleCertificates | None:
-        """Certificates of k samples (inputs (k, n), dL/dZ columns (k, m)); None when off."""
+        """Certificates of k samples (inputs (k, n), dL/dZ columns (k, m)); None without a model."""
         if not self.active or inputs.shape[0] == 0:
             return None
         assert self.certifier is not None
@@ -72,13 +88,6 @@ class ModelGate:
         self.seconds += time.perf_counter() - start
         self.passed += int(cert.ok.sum())
         self.failed_pinned += int((~cert.ok & pinned.to(cert.ok.device)).sum())
-        if self.passed == 0 and self.failed_pinned >= MODEL_CALIBRATION:
-            self.note = (
-                f"model certificate switched off: {self.failed_pinned} samples that this layer pins "
-                "down fit no label's per-sample gradient through the rest of the model (another loss "
-                "than cross-entropy, dropout or batch statistics in the model?)"
-            )
-            return None
         return cert
 
 
@@ -113,24 +122,6 @@ class Verdict:
         return torch.where(trusted, cert.labels, -1)
 
 
-@dataclass(frozen=True)
-class LayerFacts:
-    """What the verdict needs to know about the attacked layer beyond the selection.
-
-    Attributes:
-        weight, bias: the layer (full width), to tell duplicates from samples that merely share
-            their activations (a null space of W on their active neurons).
-        resolvable: the batch's smallest singular value stands far enough above the rounding
-            noise for zero sets to be trusted (:func:`spear.core.consistency.resolvable`).
-        exact_precision: the gradient was computed in float64.
-    """
-
-    weight: torch.Tensor
-    bias: torch.Tensor
-    resolvable: bool
-    exact_precision: bool
-
-
 def judge(
     selection: Selection,
     sparse_factor: torch.Tensor,
@@ -139,27 +130,29 @@ def judge(
     check: Verification,
     tol: Tolerances,
     gate: ModelGate,
-    facts: LayerFacts,
+    resolvable: bool,
     known: SampleCertificates | None = None,
     pinned: torch.Tensor | None = None,
 ) -> Verdict:
     """The verdict on ``selection`` (whose columns ``certified`` were peeled and certified one
     by one), given its assembled inputs and full-width dL/dZ and their gradient check.
     ``known`` holds model certificates already issued for some columns (where ``ok``): only
-    the others are checked again; ``pinned`` the columns' pins when the pool knows them."""
+    the others are checked again; ``pinned`` the columns' pins when the pool knows them.
+    ``resolvable``: the batch's zero sets can be trusted (:func:`spear.core.consistency.
+    resolvable`); otherwise nothing is pinned."""
     inputs, grad_outputs = assembled
     zero = zero_mask((sparse_factor @ selection.Qbar).T, tol.zero_rtol)
     determinacy = ambiguous_groups(sparse_factor, selection.Qbar.T, zero, certified, pinned)
-    pinned = (determinacy.pinned | certified) & facts.resolvable
+    pinned = (determinacy.pinned | certified) & resolvable
     consistent = check.verified and selection.perfect
     cert = _certify_rest(gate, inputs, grad_outputs.T, pinned, known) if consistent else None
     verdict = Verdict(
         inputs, grad_outputs, check, consistent, determinacy, cert, BatchReduction(None, None, None), None, []
     )
     if cert is not None:
-        _judge_by_model(verdict, cert, pinned, tol, facts)
+        _judge_by_model(verdict, cert, pinned, tol, gate.trusted)
     elif not gate.active and consistent:
-        if not facts.resolvable:
+        if not resolvable:
             verdict.problems.append(UNRESOLVABLE)
         elif determinacy.determined:
             verdict.verified_by = "layer"  # with a model, only the model's certificate verifies
@@ -176,11 +169,15 @@ UNRESOLVABLE = (
 
 
 def _judge_by_model(
-    verdict: Verdict, cert: SampleCertificates, pinned: torch.Tensor, tol: Tolerances, facts: LayerFacts
+    verdict: Verdict,
+    cert: SampleCertificates,
+    pinned: torch.Tensor,
+    tol: Tolerances,
+    gate_trusted: bool,
 ) -> None:
     """Model level: every sample certified, by a discriminative fit or a pinned zero set, with
     weights that fit a mean or a sum, and duplicates only where the layer can tell them."""
-    verdict.reject = (~cert.ok & ~pinned).nonzero()[:, 0].tolist()
+    verdict.reject = (~cert.ok & ~pinned).nonzero()[:, 0].tolist() if gate_trusted else []
     unfit = (~cert.ok).nonzero()[:, 0].tolist()
     if unfit:
         verdict.problems.append(
@@ -189,6 +186,13 @@ def _judge_by_model(
             "or a duplicated input with different labels)"
         )
         return
+    saturated = cert.saturated.nonzero()[:, 0].tolist()
+    if saturated:
+        verdict.problems.append(
+            f"the loss of sample(s) {saturated} is saturated (their gradient does not change with the "
+            "input inside its activation region): samples sharing such a pattern and label have one "
+            "gradient, so a column may stand for several of them"
+        )
     weak = (~cert.strong & ~pinned).nonzero()[:, 0].tolist()
     if weak:
         verdict.problems.append(
@@ -204,8 +208,14 @@ def _judge_by_model(
             "a mixture of samples, or a loss the certificate does not model (class weights, a scaled "
             "update)"
         )
-    elif reduction.multiplicities is not None:
-        verdict.problems += _undetermined_duplicates(verdict.inputs, reduction.multiplicities, cert, facts)
+    elif reduction.multiplicities is not None and bool((reduction.multiplicities > 1).any()):
+        shared = (reduction.multiplicities > 1).nonzero()[:, 0].tolist()
+        verdict.problems.append(
+            f"sample(s) {shared} carry {reduction.multiplicities[shared].tolist()} times one sample's "
+            "loss weight: each stands for several samples whose gradients coincide (exact duplicates, "
+            "samples differing in the layer's null space or in a saturated region, near-duplicates "
+            "within the precision) or for a class-weighted loss; only their mean is determined"
+        )
     if not verdict.problems:
         verdict.verified_by = "model"
         if not bool(cert.strong.all()):
@@ -214,30 +224,6 @@ def _judge_by_model(
                 f"the labels of sample(s) {signs} rest on the sign of their gradient (two classes): "
                 "they assume the loss is plain cross-entropy"
             )
-
-
-def _undetermined_duplicates(
-    inputs: torch.Tensor, multiplicities: torch.Tensor, cert: SampleCertificates, facts: LayerFacts
-) -> list[str]:
-    """Columns that stand for k > 1 samples determine only their mean, unless equal activations
-    imply equal inputs (W has rank n on the active neurons), the gradient is float64 (else
-    near-duplicates merge within its precision) and the fit is discriminative."""
-    problems = []
-    n = facts.weight.shape[1]
-    for j in (multiplicities > 1).nonzero()[:, 0].tolist():
-        active = (inputs[j] @ facts.weight.T + facts.bias) > 0
-        rank = int(torch.linalg.matrix_rank(facts.weight[active])) if int(active.sum()) >= n else -1
-        if rank < n or not facts.exact_precision or not bool(cert.strong[j]):
-            why = (
-                f"the layer's weight has rank < {n} on its {int(active.sum())} active neurons"
-                if rank < n
-                else "the gradient's precision or a two-class output cannot tell them from near-duplicates"
-            )
-            problems.append(
-                f"sample {j} stands for {int(multiplicities[j])} samples whose gradients coincide: only "
-                f"their mean is determined ({why})"
-            )
-    return problems
 
 
 def _certify_rest(
@@ -254,7 +240,7 @@ def _certify_rest(
     fresh = gate.check(inputs[todo], grad_outputs[todo], pinned[todo]) if todo.numel() else None
     if todo.numel() and fresh is None:
         return None
-    fields = ("ok", "labels", "weights", "misfit", "strong")
+    fields = ("ok", "labels", "weights", "misfit", "strong", "saturated")
     merged = SampleCertificates(*(getattr(known, name).clone() for name in fields))
     if fresh is not None:
         for name in fields:

@@ -175,8 +175,8 @@ def _judge_by_model(
     tol: Tolerances,
     gate_trusted: bool,
 ) -> None:
-    """Model level: every sample certified, by a discriminative fit or a pinned zero set, with
-    weights that fit a mean or a sum, and duplicates only where the layer can tell them."""
+    """Model level: every sample certified, by a discriminative fit or a pinned zero set, none
+    saturated, with one sample's weight each, fitting a mean or a sum."""
     verdict.reject = (~cert.ok & ~pinned).nonzero()[:, 0].tolist() if gate_trusted else []
     unfit = (~cert.ok).nonzero()[:, 0].tolist()
     if unfit:
@@ -193,7 +193,7 @@ def _judge_by_model(
             "input inside its activation region): samples sharing such a pattern and label have one "
             "gradient, so a column may stand for several of them"
         )
-    weak = (~cert.strong & ~pinned).nonzero()[:, 0].tolist()
+    weak = (~cert.strong & ~pinned & ~cert.saturated).nonzero()[:, 0].tolist()
     if weak:
         verdict.problems.append(
             f"the model confirms sample(s) {weak} by a sign only (every label's gradient is parallel, "
@@ -256,10 +256,6 @@ def verdict_message(verdict: Verdict, b: int) -> str:
             f"exact: all {b} inputs recovered, each certified through the model with its label "
             f"(gradient residual {residual:.1e})"
         )
-        mult = verdict.reduction.multiplicities
-        if mult is not None and bool((mult > 1).any()):
-            repeated = (mult > 1).nonzero()[:, 0].tolist()
-            text += f"; sample(s) {repeated} occur {mult[repeated].tolist()} times (exact duplicates)"
         if verdict.reduction.missing:
             text += (
                 f"; the loss weights say 1/{verdict.reduction.batch_size} per sample: either "

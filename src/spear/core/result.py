@@ -125,7 +125,9 @@ class Reconstruction:
             whole batch was not recovered (then ``inputs`` is None).
         labels: (b,) the label of each sample, from the model-level certificate (-1 where it
             did not certify one), or None without a model.
-        multiplicities: (b,) how often each sample occurs (exact duplicates share a column), and
+        multiplicities: (b,) how many samples each column stands for (its loss weight over one
+            sample's: exact duplicates share a column, as do samples whose gradients coincide;
+            such a column determines only their mean and the batch is not verified), and
             ``reduction`` ("mean" or "sum"), when the model-level certificate could tell.
         client_batch_size, missing_samples: for a mean loss, the client's batch size B (read off
             the loss weight 1/B) and how many of its samples left no trace in this layer (every

@@ -600,3 +600,25 @@ def test_a_zero_bias_layer_with_a_scaled_copy_certifies_no_wrong_sample():
         rec = spear.attack_layer(model, "0", make_batch(x, y, model).grads, max_proposals=20_000)
         assert_promise(rec, x)
         assert_certified_rows_true(rec, x)
+
+
+# --- trained networks: columns too dense for Section 4.1's threshold -------------------------------
+
+
+@pytest.mark.parametrize("b,width,depth,steps", [(30, 500, 3, 100), (20, 500, 6, 200)])
+def test_trained_networks_adapt_the_sparsity_threshold(b, width, depth, steps):
+    # after training, columns of dL/dZ have 22-40% zeros, below tau*m (40%): nothing (first case)
+    # or only the sparsest few (second) passed the filter; the probe finds the columns sparse and
+    # the threshold is lowered, while robustness and the certificate keep mixtures out
+    from spear.data import load_dataset
+    from spear.fl import fully_connected, pretrain, simulate_fedsgd
+
+    ds = load_dataset("mnist")
+    model = fully_connected(ds.features, width, depth, ds.classes, seed=0)
+    pretrain(model, ds, steps, seed=0)
+    view, truth = simulate_fedsgd(model, ds, b, seed=0)
+    rec = spear.attack_layer(view.model, "0", view.gradients, max_proposals=300_000)
+    assert rec.verified and rec.verified_by == "model", rec.message
+    assert exact(rec.inputs, truth.inputs) and labels_exact(rec, truth.inputs, truth.labels)
+    assert any("threshold was lowered" in note for note in rec.notes)
+    assert rec.stats.threshold_count < 0.3 * width

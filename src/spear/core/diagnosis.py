@@ -31,6 +31,10 @@ IRLS_PROBE_MAX_BATCH = 32
 #: DENSE_SLACK_FRACTION * rows) exact zeros (chance zeros of a dense column are far fewer)
 DENSE_SLACK_MIN = 4
 DENSE_SLACK_FRACTION = 0.02
+#: an adapted threshold (``adapted_threshold``) is this fraction of the sparsest direction's
+#: zeros, and at least b + ADAPTED_SPARE
+ADAPTED_FRACTION = 0.5
+ADAPTED_SPARE = 8
 #: the probe's verdict counts only for layers at least this many times wider than the batch
 DIAGNOSABLE_RATIO = 4
 
@@ -40,10 +44,11 @@ class ProbeResult:
     """What the probe found.
 
     Attributes:
-        snapped: exact directions that pass the sparsity filter (they join the pool).
-        sparsest: the most exact zeros any probed direction has (the filter aside): a dense
-            gradient gives ``b - 1`` (the rows a direction is solved on), a ReLU-sparse one far more,
-            even where its columns are too dense for the filter's threshold (trained networks).
+        snapped: every exact direction the probe found with more than ``b - 1`` zeros, the
+            sparsity filter's threshold aside.
+        sparsest: the most exact zeros any probed direction has: a dense gradient gives
+            ``b - 1`` (the rows a direction is solved on), a ReLU-sparse one far more, even where
+            its columns are too dense for the filter's threshold (trained networks).
     """
 
     snapped: SnapResult
@@ -78,7 +83,7 @@ def probe_sparse_directions(
         )
         if loose.zero_counts.numel():
             sparsest = max(sparsest, int(loose.zero_counts.max()))
-        found.append(loose.select(loose.zero_counts >= ctx.threshold_count))
+        found.append(loose)
     if not found:
         nothing = ctx.L.new_empty(0, ctx.batch_size)
         return ProbeResult(snap_and_filter(ctx.L, nothing, None, ctx.threshold_count, zero_rtol), 0)
@@ -103,10 +108,18 @@ def no_sparsity_message(b: int, rows: int, mode: str, calls: int, rank: int | No
     )
 
 
-def below_threshold_note(sparsest: int, rows: int, threshold: int) -> str:
-    """Why nothing passed the filter although the gradient is sparse."""
+def adapted_threshold(sparsest: int, b: int) -> int:
+    """The sparsity filter's threshold for columns sparser than Section 4.1 assumes: half the
+    zeros of the sparsest direction found, at least ``b + ADAPTED_SPARE``. The threshold only
+    bounds false rejections and the pool's size: mixtures are rejected by robustness (an
+    essential zero row) and the certificates, at any threshold."""
+    return max(b + ADAPTED_SPARE, math.floor(ADAPTED_FRACTION * sparsest))
+
+
+def below_threshold_note(sparsest: int, rows: int, threshold: int, adapted: int) -> str:
+    """Why the filter's threshold was lowered."""
     return (
         f"the sparsest directions found have {sparsest} exact zeros of {rows} ({sparsest / rows:.0%}), "
         f"below the filter's threshold tau*m = {threshold}: the columns of dL/dZ are less sparse than "
-        "Section 4.1 assumes (a trained network?); a smaller p_fr lowers the threshold"
+        f"Section 4.1 assumes (a trained network?), so the threshold was lowered to {adapted}"
     )

@@ -23,6 +23,7 @@ from spear.core.consistency import Tolerances, resolvable
 from spear.core.diagnosis import (
     DIAGNOSABLE_RATIO,
     PROBE_AFTER_CALLS,
+    adapted_threshold,
     below_threshold_note,
     no_sparsity_message,
     probe_sparse_directions,
@@ -41,7 +42,7 @@ from spear.core.proposers import (
 )
 from spear.core.result import AttackOptions, AttackStats, ProgressEvent, Reconstruction
 from spear.core.scale import LayerProblem
-from spear.core.search import ResidualSearch
+from spear.core.search import ResidualSearch, lift
 from spear.core.verdict import WEIGHT_PRECISION, ModelGate, Verdict, judge, verdict_message
 from spear.core.verify import verify
 from spear.errors import InputError, NoSparsityError, RankError
@@ -57,6 +58,9 @@ DEAD_ROW_RTOL = 1e-12
 MAX_REJECTION_ROUNDS = 4
 #: peeled samples whose model weights agree before any of them counts as one sample's weight
 WEIGHT_QUORUM = 3
+#: proposer calls without a new trusted direction (fewer than b in hand) before the current
+#: problem is probed for columns too dense for the filter's threshold
+STALL_CALLS = 20
 
 
 def default_max_proposals(b: int) -> int:
@@ -243,6 +247,8 @@ class _Attack:
         self.calls = 0
         self.probed = False
         self.weights_seen: list[float] = []  # loss weights the model certificate fitted
+        self.adapted = False  # the filter's threshold was (or will not be) adapted
+        self.trusted_seen, self.last_progress = 0, 0  # for _check_stall
         self.resolvable = setup.resolvable
         self.notes: list[str] = []
 
@@ -375,21 +381,24 @@ class _Attack:
     # --- the loop ---------------------------------------------------------------------------
 
     def _check_sparsity(self) -> None:
-        """Diagnose a gradient without ReLU sparsity instead of searching until the budget ends."""
+        """Diagnose a gradient without ReLU sparsity instead of searching until the budget ends,
+        and columns too dense for the filter's threshold (trained networks)."""
         if len(self.pool):
+            self._check_stall()
             return
         s, b = self.setup, self.setup.b
         rows = s.problem.sparse_factor.shape[0]
         if not self.probed and self.calls >= PROBE_AFTER_CALLS:
             self.probed = True
             probe = probe_sparse_directions(self.search.root, s.tol.zero_rtol, s.tol.zero_floor, None)
-            self._absorb(probe.snapped)
+            counts = probe.snapped.zero_counts
+            if not bool((counts >= s.threshold).any()) and not probe.looks_dense(b, rows):
+                self._adapt_threshold(adapted_threshold(probe.sparsest, b), probe.sparsest, rows)
+            self._absorb(probe.snapped.select(counts >= s.threshold))
             if len(self.pool) == 0 and probe.looks_dense(b, rows) and rows >= DIAGNOSABLE_RATIO * b:
                 raise NoSparsityError(
                     no_sparsity_message(b, rows, s.options.sparsity, self.calls, s.split.numerical_rank)
                 )
-            if len(self.pool) == 0 and not probe.looks_dense(b, rows):
-                self.notes.append(below_threshold_note(probe.sparsest, rows, s.threshold))
             return
         # Lemma 5.1's q at a conservative 30% zeros per column (trained networks fall below the
         # paper's 50%, Fig. 7): only a gradient with hardly any zeros exhausts this patience
@@ -398,6 +407,40 @@ class _Attack:
             raise NoSparsityError(
                 no_sparsity_message(b, rows, s.options.sparsity, self.calls, s.split.numerical_rank)
             )
+
+    def _check_stall(self) -> None:
+        """When no new direction came for ``STALL_CALLS`` calls with fewer than b in hand, probe
+        the current problem (the residual one, after peeling) once: if its columns are sparse but
+        below the threshold, lower it (the columns found first are the sparsest ones)."""
+        s = self.setup
+        trusted = int(self.pool.trusted_mask.sum())
+        if trusted != self.trusted_seen:
+            self.trusted_seen, self.last_progress = trusted, self.calls
+            return
+        if self.adapted or len(self.pool) >= s.b or self.calls - self.last_progress < STALL_CALLS:
+            return
+        self.adapted = True
+        ctx = self.search.ctx
+        probe = probe_sparse_directions(ctx, s.tol.zero_rtol, s.tol.zero_floor, self.pool.known_masks)
+        if probe.looks_dense(ctx.batch_size, ctx.rows):
+            return
+        if not bool((probe.snapped.zero_counts >= s.threshold).any()):
+            self._adapt_threshold(adapted_threshold(probe.sparsest, s.b), probe.sparsest, ctx.rows)
+        snapped = probe.snapped
+        if self.search.basis is not None:
+            snapped = lift(snapped, self.search.basis)
+        self._absorb(snapped.select(snapped.zero_counts >= s.threshold))
+
+    def _adapt_threshold(self, threshold: int, sparsest: int, rows: int) -> None:
+        """Lower the sparsity filter's threshold for columns sparser than Section 4.1 assumes
+        (:func:`~spear.core.diagnosis.adapted_threshold`)."""
+        if threshold >= self.setup.threshold:
+            return
+        self.adapted = True
+        self.notes.append(below_threshold_note(sparsest, rows, self.setup.threshold, threshold))
+        self.setup.threshold = threshold
+        self.search.root.threshold_count = threshold
+        self.search.ctx.threshold_count = threshold
 
     def _progress(self) -> None:
         if self.setup.options.progress is None:

@@ -22,9 +22,6 @@ from spear.core.proposers import DirectionProposer, ProposalBatch, ProposalConte
 #: the search moves on to the residual problem of the unrecovered samples once this fraction of
 #: them has been peeled since the last move (each move makes the proposers start afresh)
 RESIDUAL_STEP = 0.1
-#: a residual problem's first snap keeps directions with this fraction of the threshold's zeros
-#: (the exact re-solve on the whole layer applies the threshold itself)
-RESIDUAL_THRESHOLD = 0.8
 
 
 def lift(snapped: SnapResult, basis: torch.Tensor) -> SnapResult:
@@ -76,13 +73,11 @@ class ResidualSearch:
         """Exact directions of the whole layer from a batch of proposals on the current one.
 
         On a residual problem the proposals are snapped there (their hints are row sets of its b'
-        dimensions, with a threshold relaxed for the ~1e-10 rounding errors that subtracting the
-        peeled samples leaves on true zeros) and lifted; the threshold then applies as usual.
-        Only the last sample's forced direction, a few zeros short, is solved again exactly on
-        the whole layer (``_resolve``)."""
-        threshold = self.root.threshold_count
-        if self.basis is not None:
-            threshold = max(self.ctx.batch_size - 1, math.floor(RESIDUAL_THRESHOLD * threshold))
+        dimensions) and lifted. The last sample's direction is forced (no search, so no false
+        acceptance for the threshold to bound): it skips the threshold, and where it falls short
+        (subtracting the peeled samples leaves ~1e-10 on true zeros) it is solved again exactly
+        on the whole layer (``_resolve``)."""
+        threshold = 0 if self.on_last_sample else self.root.threshold_count
         snapped = snap_and_filter(
             self.ctx.L,
             batch.directions,
@@ -95,17 +90,18 @@ class ResidualSearch:
         if self.basis is None:
             return snapped
         lifted = lift(snapped, self.basis)
+        if not self.on_last_sample:
+            return lifted
         done = lifted.zero_counts >= self.root.threshold_count
-        if bool(done.all()) or not self.on_last_sample:
-            return lifted.select(done)
+        if bool(done.all()):
+            return lifted
         return SnapResult.concat([lifted.select(done), self._resolve(lifted.select(~done), tol, known)])
 
     def _resolve(self, lifted: SnapResult, tol: Tolerances, known: torch.Tensor) -> SnapResult:
         """The last sample's lifted direction solved again exactly on its zero set in the whole
-        layer."""
-        # the last sample's direction is forced (no search, so no false acceptance to bound):
-        # any column pinned by its zeros goes on to be certified by peeling or the model
-        final = self.root.batch_size - 1 if self.on_last_sample else self.root.threshold_count
+        layer, kept when its zeros pin it (``b - 1`` of them at least): peeling or the model
+        certifies it next."""
+        final = self.root.batch_size - 1
         _, pinned, _ = kernel_of_rows(self.root.L, lifted.zero_masks)
         exact = snap_and_filter(
             self.root.L,

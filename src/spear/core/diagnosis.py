@@ -27,6 +27,10 @@ PROBE_AFTER_CALLS = 3
 #: IRLS finds sparse directions from random starts only in small batches (measured: at b <= 20
 #: on MNIST-like data; none at b >= 50, m = 200): beyond this it is left out of the probe
 IRLS_PROBE_MAX_BATCH = 32
+#: with input sparsity IRLS is the only probe, and a fruitless call proves little beyond small
+#: batches (a ReLU-sparse hidden layer of width 200 gave it nothing at b = 32): above this the
+#: probe draws no conclusion and the search runs to its budget
+INPUT_PROBE_MAX_BATCH = 16
 #: a direction counts as ReLU-sparse with more than b - 1 + max(DENSE_SLACK_MIN,
 #: DENSE_SLACK_FRACTION * rows) exact zeros (chance zeros of a dense column are far fewer)
 DENSE_SLACK_MIN = 4
@@ -53,8 +57,11 @@ class ProbeResult:
 
     snapped: SnapResult
     sparsest: int
+    probed: bool = True  # False when no proposer suits this batch (nothing can be concluded)
 
     def looks_dense(self, b: int, rows: int) -> bool:
+        if not self.probed:
+            return False
         return self.sparsest <= b - 1 + max(DENSE_SLACK_MIN, math.ceil(DENSE_SLACK_FRACTION * rows))
 
 
@@ -63,7 +70,8 @@ def probe_sparse_directions(
 ) -> ProbeResult:
     """Exact directions from one IRLS and one neuron-guided call (see the module doc)."""
     calls: list[DirectionProposer] = []
-    if ctx.batch_size <= IRLS_PROBE_MAX_BATCH:
+    output_side = ctx.problem is None or ctx.problem.mode == "output"
+    if ctx.batch_size <= (IRLS_PROBE_MAX_BATCH if output_side else INPUT_PROBE_MAX_BATCH):
         calls.append(SparseRecoveryProposer(starts_per_call=16, ica_restarts=1))
     if ctx.problem is not None and ctx.problem.mode == "output":
         calls.append(NeuronGuidedSampler())
@@ -86,7 +94,8 @@ def probe_sparse_directions(
         found.append(loose)
     if not found:
         nothing = ctx.L.new_empty(0, ctx.batch_size)
-        return ProbeResult(snap_and_filter(ctx.L, nothing, None, ctx.threshold_count, zero_rtol), 0)
+        empty = snap_and_filter(ctx.L, nothing, None, ctx.threshold_count, zero_rtol)
+        return ProbeResult(empty, 0, probed=bool(calls))
     return ProbeResult(SnapResult.concat(found), sparsest)
 
 

@@ -266,14 +266,16 @@ class SamplePeeler:
 
 
 def mutually_consistent(peeled: PeeledSamples, new: PeeledSamples, rtol: float) -> torch.Tensor:
-    """Which of ``new`` keep ``q_j . r_k = 0`` for j != k (step 3) with every sample in
+    """Which of ``new`` keep ``u_j . r_k = 0`` for j != k (step 3) with every sample in
     ``peeled`` and with the ones of ``new`` accepted before them. True samples always do, so a
     violation marks a wrong certificate (kept out, however unlikely)."""
     keep = torch.zeros(len(new), dtype=torch.bool, device=new.directions.device)
-    q_all = torch.cat([peeled.directions, new.directions])
+    tiny = torch.finfo(new.duals.dtype).tiny
+    u_all = torch.cat([peeled.duals, new.duals])
+    u_all = u_all / u_all.norm(dim=1, keepdim=True).clamp_min(tiny)
     r_all = torch.cat([peeled.coefficients, new.coefficients])
-    r_all = r_all / r_all.norm(dim=1, keepdim=True).clamp_min(torch.finfo(r_all.dtype).tiny)
-    cross = (q_all @ r_all.T).abs()  # |q_j . r_k| / |r_k|; rounding error for j != k
+    r_all = r_all / r_all.norm(dim=1, keepdim=True).clamp_min(tiny)
+    cross = (u_all @ r_all.T).abs()  # |u_j . r_k| / (|u_j| |r_k|); rounding error for j != k
     accepted = list(range(len(peeled)))
     for i in range(len(new)):
         j = len(peeled) + i
@@ -287,11 +289,17 @@ def residual_problem(problem: LayerProblem, peeled: PeeledSamples) -> tuple[Laye
     """The SPEAR problem of the samples not yet peeled (step 4), and the basis B (b x (b - f))
     that maps its directions back: a direction q' of the residual problem is ``B q'`` here."""
     b = problem.batch_size
-    basis = orthogonal_complement(peeled.coefficients, b)
     U = peeled.duals.T  # (b, f): dL/dZ_j = L u_j
-    L_rest = problem.L @ basis
     grad_bias_rest = problem.grad_bias - problem.L @ U.sum(dim=1)
-    R_rest = basis.T @ (problem.R - U @ (peeled.coefficients @ problem.R))
+    # dL/dW - sum_peeled (L u_j)(R^T r_j)^T = L (I - U C) R, with the rows of C the r_j
+    if problem.mode == "output":  # the search is on the q side: the rest is orthogonal to the r_j
+        basis = orthogonal_complement(peeled.coefficients, b)
+        L_rest = problem.L @ basis
+        R_rest = basis.T @ (problem.R - U @ (peeled.coefficients @ problem.R))
+    else:  # on the input side (spear.core.input_peeling): the rest is orthogonal to the u_j
+        basis = orthogonal_complement(peeled.duals, b)
+        L_rest = (problem.L - (problem.L @ U) @ peeled.coefficients) @ basis
+        R_rest = basis.T @ problem.R
     next_rest = problem.next_grad_weight
     if next_rest is not None and peeled.next_grad_outputs is not None and len(peeled):
         # step 5: the next layer's gradient without the peeled samples' terms dZ'_j a_j^T

@@ -30,6 +30,7 @@ from spear.core.diagnosis import (
 )
 from spear.core.filtering import CandidatePool, SnapResult, zero_mask
 from spear.core.greedy import Selection, greedy_filter, score
+from spear.core.input_peeling import InputSidePeeler
 from spear.core.lowrank import LowRankSplit, default_rank_rtol, low_rank_split
 from spear.core.peeling import PeeledSamples, SamplePeeler, mutually_consistent
 from spear.core.proposers import (
@@ -102,11 +103,15 @@ class AttackSetup:
     Neurons inactive for the whole batch (dead rows: their rows of dL/dW are exactly zero) are
     zero in every column of dL/dZ; they carry no information and would only dilute random row
     subsets, so ``problem`` holds the live rows only and results are mapped back to the full
-    width (``expand``).
+    width (``expand``). With input sparsity the same holds for input features that are zero in
+    every sample (dead columns: the background pixels of raw images, hidden units no sample
+    activates): ``problem`` holds the live columns only and inputs come back zero there
+    (``expand_inputs``).
     """
 
     layer: LayerTensors
     live: torch.Tensor  # (m,) bool
+    live_inputs: torch.Tensor  # (n,) bool; all True with output sparsity
     split: LowRankSplit
     problem: LayerProblem
     tol: Tolerances
@@ -128,8 +133,13 @@ class AttackSetup:
         start = time.perf_counter()
         rows = layer.grad_weight.norm(dim=1)
         live = rows > DEAD_ROW_RTOL * rows.max()
+        live_inputs = torch.ones(layer.grad_weight.shape[1], dtype=torch.bool, device=live.device)
+        if options.sparsity == "input":
+            columns = layer.grad_weight.norm(dim=0)
+            live_inputs = columns > DEAD_ROW_RTOL * columns.max()
+        grad_weight = layer.grad_weight[live][:, live_inputs]
         split = low_rank_split(
-            layer.grad_weight[live],
+            grad_weight,
             batch_size=options.batch_size,
             rank_rtol=options.rank_rtol,
             source_dtype=source_dtype,
@@ -140,7 +150,7 @@ class AttackSetup:
                 f"gradient has rank {split.batch_size}: SPEAR needs more active neurons than samples"
             )
         problem = LayerProblem(
-            layer.weight[live],
+            layer.weight[live][:, live_inputs],
             layer.bias[live],
             layer.grad_bias[live],
             split.L,
@@ -155,6 +165,7 @@ class AttackSetup:
         return cls(
             layer=layer,
             live=live,
+            live_inputs=live_inputs,
             split=split,
             problem=problem,
             tol=Tolerances.for_dtype(source_dtype, options.zero_rtol, options.verify_rtol),
@@ -185,11 +196,26 @@ class AttackSetup:
         out[self.live] = live_rows
         return out
 
-    def make_peeler(self) -> SamplePeeler | None:
-        """A :class:`SamplePeeler` when peeling is on and the next layer's gradient can certify
-        samples (output sparsity, rank b), else None."""
+    def expand_inputs(self, live_columns: torch.Tensor) -> torch.Tensor:
+        """(k, n_live) inputs on the live features -> (k, n), zero on the dead ones."""
+        if bool(self.live_inputs.all()):
+            return live_columns
+        out = live_columns.new_zeros(live_columns.shape[0], self.live_inputs.numel())
+        out[:, self.live_inputs] = live_columns
+        return out
+
+    def make_peeler(self) -> SamplePeeler | InputSidePeeler | None:
+        """How found directions become samples one by one, when peeling is on: with output
+        sparsity a :class:`SamplePeeler` when the next layer's gradient can certify samples
+        (rank b); with input sparsity an :class:`InputSidePeeler` (the layer's own ReLU)."""
         p = self.problem
-        if not self.options.peel or self.options.sparsity != "output" or p.next_grad_weight is None:
+        if not self.options.peel:
+            return None
+        if self.options.sparsity == "input":
+            tol = self.tol
+            own = InputSidePeeler(p, tol.verify_rtol, tol.z_rtol, tol.zero_rtol)
+            return own if own.usable else None
+        if p.next_grad_weight is None:
             return None
         rank_rtol = default_rank_rtol(tuple(p.next_grad_weight.shape), self.source_dtype)
         peeler = SamplePeeler(p, self.tol.verify_rtol, rank_rtol)
@@ -198,7 +224,7 @@ class AttackSetup:
     def assemble_and_check(self, selection: Selection):
         """Inputs and full-width dL/dZ of a selection, and the recomputed gradients' check."""
         inputs, grad_outputs = self.problem.assemble(selection.Qbar, selection.scales)
-        grad_outputs = self.expand(grad_outputs)
+        inputs, grad_outputs = self.expand_inputs(inputs), self.expand(grad_outputs)
         lt = self.layer
         check = verify(
             lt.weight,
@@ -228,7 +254,9 @@ class _Attack:
             setup.problem.R.shape[1],
             factor.dtype,
             factor.device,
-            None if self.peeler is None or self.peeler.back is None else self.peeler.U2.shape[0],
+            self.peeler.U2.shape[0]
+            if isinstance(self.peeler, SamplePeeler) and self.peeler.back is not None
+            else None,
         )
         self.gate = ModelGate(certifier)
         root = ProposalContext(
@@ -288,7 +316,7 @@ class _Attack:
         accept = outcome.robust[position] & self.resolvable
         if len(samples):
             grads = self.setup.expand(self.setup.problem.L @ samples.duals.T).T
-            cert = self.gate.check(samples.inputs, grads, accept)
+            cert = self.gate.check(self.setup.expand_inputs(samples.inputs), grads, accept)
             if cert is not None:
                 ok = cert.ok.to(accept.device)
                 single = self._single(cert.weights.to(samples.weights), ok)
@@ -392,7 +420,7 @@ class _Attack:
             self.probed = True
             probe = probe_sparse_directions(self.search.root, s.tol.zero_rtol, s.tol.zero_floor, None)
             counts = probe.snapped.zero_counts
-            if not bool((counts >= s.threshold).any()) and not probe.looks_dense(b, rows):
+            if probe.probed and not bool((counts >= s.threshold).any()) and not probe.looks_dense(b, rows):
                 self._adapt_threshold(adapted_threshold(probe.sparsest, b), probe.sparsest, rows)
             self._absorb(probe.snapped.select(counts >= s.threshold))
             if len(self.pool) == 0 and probe.looks_dense(b, rows) and rows >= DIAGNOSABLE_RATIO * b:
@@ -422,7 +450,7 @@ class _Attack:
         self.adapted = True
         ctx = self.search.ctx
         probe = probe_sparse_directions(ctx, s.tol.zero_rtol, s.tol.zero_floor, self.pool.known_masks)
-        if probe.looks_dense(ctx.batch_size, ctx.rows):
+        if not probe.probed or probe.looks_dense(ctx.batch_size, ctx.rows):
             return
         if not bool((probe.snapped.zero_counts >= s.threshold).any()):
             self._adapt_threshold(adapted_threshold(probe.sparsest, s.b), probe.sparsest, ctx.rows)
@@ -517,7 +545,7 @@ def finish(
         "singular_values": setup.split.singular_values,
         "stats": stats,
         "mode": opts.sparsity,
-        "certified_inputs": peeled.inputs if len(peeled) else None,
+        "certified_inputs": setup.expand_inputs(peeled.inputs) if len(peeled) else None,
         "certified_labels": peeled.labels if len(peeled) and has_labels else None,
         "notes": notes,
     }

@@ -135,7 +135,7 @@ class ResidualSearch:
             assert self.root.problem is not None
             rest, self.basis = residual_problem(self.root.problem, peeled)
             self.ctx = ProposalContext(
-                L=rest.L,
+                L=rest.sparse_factor,
                 batch_size=rest.batch_size,
                 threshold_count=self.root.threshold_count,
                 generator=self.root.generator,

@@ -1,0 +1,133 @@
+"""Peeling with input sparsity: a found input gives its own dL/dZ column through the layer's ReLU.
+
+With ``sparsity="input"`` the search finds directions ``p`` with ``x = c R^T p`` sparse: the
+samples themselves, up to scale. When the layer is also followed by a ReLU (a hidden layer of an
+MLP, the first layer of a network on raw images, the classifier head of a CNN), each such
+sample can be completed on its own, without the other directions (the mirror image of
+:mod:`spear.core.peeling`, which completes a found dL/dZ column through the next layer):
+
+1. Scale. ``dL/dW = L R = sum_j (L u_j) x_j^T`` with ``x_j = R^T r_j`` forces
+   ``u_j . r_k = delta_jk`` (peeling step 3), and ``s = L^+ dL/db = sum_k u_k`` (Theorem 3.6),
+   so ``r_j . s = 1``: ``r_j = p / (p . s)`` and ``x_j`` is exact, scale included.
+   The inputs must be nonnegative (they come out of a ReLU, or are raw pixels in [0, 1]).
+   Its zero features must pin ``p`` (a one-dimensional kernel of ``R^T`` on them): a mixture of
+   samples vanishes only where all of them do, and there its kernel holds all of them.
+2. Pattern. The server knows W and the bias, so ``z_j = W x_j + bias`` gives the neurons sample
+   j leaves inactive, ``S_j = {z_j < 0}``. Its column ``dL/dZ_j`` vanishes there, so it spans the
+   kernel of ``L[S_j]`` (Theorem 3.3's argument). That kernel must be one-dimensional and robust
+   (no essential row); a wrong ``p`` (a mixture of samples) predicts a pattern no column has, and
+   ``L[S_j]``, with about m/2 >= b rows, then has no kernel at all.
+3. The kernel vector ``q`` must also be nonzero wherever ``z_j > 0`` (sigma = 1 both ways, for
+   this one column), and ``u_j = q / (q . r_j)`` gives ``dL/dZ_j = L u_j``.
+4. The remaining directions satisfy ``p . u_j = 0``; subtracting ``(L u_j) x_j^T`` and ``L u_j``
+   leaves the gradients of the other samples (:func:`spear.core.peeling.residual_problem`).
+
+Only server-side quantities are used: W, bias, dL/dW and dL/db.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from spear.core.filtering import ESSENTIAL_ROW_TOL
+from spear.core.peeling import PEEL_CHUNK_ELEMENTS, PeeledSamples, PeelOutcome
+from spear.core.scale import LayerProblem
+
+
+class InputSidePeeler:
+    """Completes samples found on the input side through the attacked layer's own ReLU
+    (steps 1-3 of the module doc).
+
+    Args:
+        problem: the attacked layer in input-sparsity mode.
+        rtol: relative tolerance of the kernel and pattern checks (the verification tolerance
+            of the gradient's dtype).
+        z_rtol: pre-activations at most this times the largest |z| have no sign and are left
+            out of both checks.
+        zero_rtol: entries of ``L q`` at most this times its largest count as zero.
+    """
+
+    def __init__(self, problem: LayerProblem, rtol: float, z_rtol: float, zero_rtol: float) -> None:
+        if problem.mode != "input":
+            raise ValueError("InputSidePeeler needs a problem in input-sparsity mode")
+        self.problem = problem
+        self.rtol = rtol
+        self.z_rtol = z_rtol
+        self.zero_rtol = zero_rtol
+
+    @property
+    def usable(self) -> bool:
+        """Whether a sample's inactive neurons can pin its column: more live neurons than b."""
+        return self.problem.L.shape[0] > self.problem.batch_size
+
+    def peel(self, directions: torch.Tensor, masks: torch.Tensor) -> PeelOutcome:
+        """Check and complete the samples of k exact input-side directions (k, b); ``masks``
+        (their zero sets on the input side) are not needed: the pattern comes from W."""
+        L, R = self.problem.L, self.problem.R
+        k, b = directions.shape
+        m = L.shape[0]
+        consistent = torch.zeros(k, dtype=torch.bool, device=L.device)
+        robust = torch.zeros(k, dtype=torch.bool, device=L.device)
+        coefficients = torch.zeros(k, b, dtype=L.dtype, device=L.device)
+        duals = torch.zeros(k, b, dtype=L.dtype, device=L.device)
+        if k and self.usable:
+            p = directions.to(L.dtype)
+            rows = max(m, R.shape[1])
+            for part in torch.arange(k, device=L.device).split(max(1, PEEL_CHUNK_ELEMENTS // (rows * b))):
+                ok, firm, r, u = self._complete(p[part])
+                consistent[part], robust[part], coefficients[part], duals[part] = ok, firm, r, u
+        samples = PeeledSamples(
+            directions=directions[consistent].to(L.dtype),
+            coefficients=coefficients[consistent],
+            inputs=coefficients[consistent] @ R,
+            duals=duals[consistent],
+        )
+        return PeelOutcome(consistent, robust, samples)
+
+    def _complete(self, p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Steps 1-3 for directions p (k, b): consistent, robust, r (k, b) and u (k, b)."""
+        problem, L = self.problem, self.problem.L
+        b = L.shape[1]
+        tiny = torch.finfo(L.dtype).tiny
+        dot = p @ problem.pinv_grad_bias
+        r = p / torch.where(dot.abs() > tiny, dot, torch.ones_like(dot)).unsqueeze(-1)
+        scaled = dot.abs() > self.rtol * p.norm(dim=1) * problem.pinv_grad_bias.norm()
+        x = r @ problem.R
+        # the inputs come out of a ReLU (or are otherwise nonnegative): negative only by rounding
+        nonnegative = x.amin(dim=1) >= -self.rtol * x.abs().amax(dim=1)
+        z = r @ problem.R_Wt + problem.bias  # (k, m) pre-activations of the samples
+        signless = z.abs() <= self.z_rtol * z.abs().amax(dim=1, keepdim=True)
+        inactive = (z < 0) & ~signless
+        active = (z > 0) & ~signless
+        # the input's own zeros must pin p (a mixture of samples vanishes only where all do,
+        # and there its kernel holds all of them)
+        own_zeros = x.abs() <= self.zero_rtol * x.abs().amax(dim=1, keepdim=True)
+        pinned, firm_input, _ = _kernel(problem.R.T, own_zeros, self.rtol)
+        one_dim, firm, q = _kernel(L, inactive, self.rtol)  # q: (k, b) the column's direction
+        column = q @ L.T  # (k, m)
+        size = column.abs().amax(dim=1, keepdim=True).clamp_min(tiny)
+        nonzero = column.abs() > self.zero_rtol * size
+        # sigma = 1 for this column: zero where inactive (the kernel), nonzero where active
+        pattern = ~(active & ~nonzero).any(dim=1) & ~(inactive & nonzero).any(dim=1)
+        qr = (q * r).sum(dim=1)
+        u = q / torch.where(qr.abs() > tiny, qr, torch.ones_like(qr)).unsqueeze(-1)
+        enough = (inactive.sum(dim=1) >= b) & (own_zeros.sum(dim=1) >= b - 1)
+        dual = qr.abs() > self.rtol * q.norm(dim=1) * r.norm(dim=1)  # u_j must exist
+        ok = scaled & nonnegative & enough & pinned & one_dim & pattern & dual
+        ok &= torch.isfinite(u).all(dim=1) & torch.isfinite(r).all(dim=1)
+        return ok, ok & firm & firm_input, r, u
+
+
+def _kernel(
+    factor: torch.Tensor, rows: torch.Tensor, rtol: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """For k row sets (k, rows) of ``factor`` (rows x b): whether the kernel of those rows is
+    one-dimensional, whether it is also robust (no essential row), and its unit vector (k, b)."""
+    masked = factor.unsqueeze(0) * rows.to(factor.dtype).unsqueeze(-1)
+    U, S, Vh = torch.linalg.svd(masked, full_matrices=False)
+    one_dim = (S[:, -1] <= rtol * S[:, 0]) & (S[:, -2] > rtol * S[:, 0])
+    robust = ((U[:, :, :-1] ** 2).sum(dim=-1) < 1.0 - ESSENTIAL_ROW_TOL).all(dim=1)
+    return one_dim, robust, Vh[:, -1, :]
+
+
+__all__ = ["InputSidePeeler"]

@@ -5,7 +5,7 @@ which only evaluation code touches.
 """
 
 from spear.fl.client import ClientBatch, ServerView, fedsgd_gradients, pretrain, simulate_fedsgd
-from spear.fl.models import INITS, fully_connected
+from spear.fl.models import INITS, fully_connected, shallow_mlp
 
 __all__ = [
     "INITS",
@@ -14,5 +14,6 @@ __all__ = [
     "fedsgd_gradients",
     "fully_connected",
     "pretrain",
+    "shallow_mlp",
     "simulate_fedsgd",
 ]

@@ -73,9 +73,12 @@ def simulate_fedsgd(
     seed: int = 0,
     *,
     single_label: bool = False,
+    normalize: bool = True,
 ) -> tuple[ServerView, ClientBatch]:
     """One FedSGD round: a client draws a batch, computes its gradient and sends it.
 
+    ``normalize=False`` feeds the raw images in [0, 1] (``ToTensor`` without ``Normalize``, as in
+    many FL code bases and the LT-code paper's setting) instead of standardized ones.
     Returns the server's view (a copy of the model and the gradients) and the private batch.
     """
     in_features = next(m for m in model.modules() if isinstance(m, nn.Linear)).in_features
@@ -86,7 +89,7 @@ def simulate_fedsgd(
         )
     dtype = next(model.parameters()).dtype
     images, labels = sample_batch(dataset, batch_size, seed, single_label=single_label)
-    inputs = dataset.normalize(images).to(dtype)
+    inputs = (dataset.normalize(images) if normalize else images.flatten(1)).to(dtype)
     grads = fedsgd_gradients(model, inputs, labels)
     view = ServerView(copy.deepcopy(model), grads, "fedsgd", {"dataset": dataset.name})
     return view, ClientBatch(images, inputs, labels)

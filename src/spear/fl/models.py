@@ -68,3 +68,28 @@ def fully_connected(
             if isinstance(layer, nn.Linear):
                 initialise(layer)
     return nn.Sequential(*layers).to(dtype)
+
+
+def shallow_mlp(
+    in_features: int,
+    width: int = 1000,
+    classes: int = 10,
+    *,
+    first_std: float = 0.5,
+    seed: int = 0,
+    dtype: torch.dtype = torch.float64,
+) -> nn.Sequential:
+    """``Linear(in, width) -> ReLU -> Linear(width, classes)`` with first-layer weights
+    N(0, first_std^2), a Xavier-uniform second layer and all biases zero: the passive setting of
+    the LT-code peeling paper (Shariati & Meybodi 2026, F -> 1000 -> 10, std 0.5)."""
+    if width < 2 or in_features < 1 or classes < 2:
+        raise InputError("width must be >= 2, in_features >= 1, classes >= 2")
+    if not first_std > 0:
+        raise InputError(f"first_std must be positive, got {first_std}")
+    torch.manual_seed(seed)
+    first, second = nn.Linear(in_features, width), nn.Linear(width, classes)
+    nn.init.normal_(first.weight, std=first_std)
+    nn.init.xavier_uniform_(second.weight)
+    nn.init.zeros_(first.bias)
+    nn.init.zeros_(second.bias)
+    return nn.Sequential(first, nn.ReLU(), second).to(dtype)

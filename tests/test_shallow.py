@@ -1,0 +1,37 @@
+"""The LT-code paper's passive setting: a two-layer MLP with zero biases on raw [0, 1] inputs
+(``spear.fl.shallow_mlp``; benchmarks/bench_passive.py measures it at scale)."""
+
+import pytest
+import torch
+from tests.conftest import assert_exact
+
+import spear
+from spear.data import load_dataset
+from spear.errors import InputError
+from spear.fl import shallow_mlp, simulate_fedsgd
+from spear.metrics import match_samples
+
+
+def test_shallow_mlp_is_the_papers_setting():
+    model = shallow_mlp(784, seed=3)
+    first, second = model[0].requires_grad_(False), model[2].requires_grad_(False)
+    assert (first.in_features, first.out_features, second.out_features) == (784, 1000, 10)
+    assert bool((first.bias == 0).all()) and bool((second.bias == 0).all())
+    assert abs(float(first.weight.std()) - 0.5) < 0.01
+    bound = (6 / (1000 + 10)) ** 0.5
+    assert float(second.weight.abs().max()) <= bound
+    with pytest.raises(InputError, match="first_std"):
+        shallow_mlp(10, first_std=0.0)
+
+
+@pytest.mark.parametrize(("width", "b", "seed"), [(400, 48, 1), (1000, 64, 0)])
+def test_zero_bias_shallow_network_on_raw_images_is_recovered_exactly(width, b, seed):
+    dataset = load_dataset("mnist")
+    model = shallow_mlp(dataset.features, width, seed=seed)
+    view, truth = simulate_fedsgd(model, dataset, b, seed=seed, normalize=False)
+    assert float(truth.inputs.min()) >= 0.0  # raw pixels, not standardized
+    rec = spear.attack_layer(view.model, "0", view.gradients, seed=0, max_proposals=2_000_000)
+    assert rec.verified and rec.verified_by == "model"
+    assert_exact(rec.inputs, truth.inputs)
+    est, ref = match_samples(rec.inputs, truth.inputs)
+    assert torch.equal(rec.labels[est], truth.labels[ref])

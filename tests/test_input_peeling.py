@@ -167,3 +167,51 @@ def test_the_probe_draws_no_conclusion_where_no_proposer_suits_the_batch(b):
     probe = probe_sparse_directions(ctx, TOL.zero_rtol, TOL.zero_floor, None)
     assert not probe.probed
     assert not probe.looks_dense(b, problem.sparse_factor.shape[0])
+
+
+def _tied_feature_batch(seed, tie, with_bias):
+    """x_2 = tie * x_1 on three features T of supp(x_1) (zero elsewhere), x_3 random on T: the
+    mixture x' = (x_1 - x_2 / tie) / (1 - 1 / tie) is nonnegative, pinned by its zeros Z(x_1) + T
+    and keeps x_1's ReLU pattern, so the layer-level checks of input-side peeling pass for it
+    (found by an adversarial review)."""
+    torch.manual_seed(seed)
+    b, n, m = 8, 60, 120
+    X = torch.relu(torch.randn(b, n, dtype=torch.float64))
+    support = X[0].nonzero()[:, 0]
+    T = support[X[0, support].argsort()[:3]]
+    X[1] = 0.0
+    X[1, T] = tie * X[0, T]
+    X[2] = 0.0
+    X[2, T] = torch.rand(3, dtype=torch.float64) * X[1, T].max()
+    model = torch.nn.Sequential(torch.nn.Linear(n, m), torch.nn.ReLU(), torch.nn.Linear(m, 10)).double()
+    if not with_bias:
+        with torch.no_grad():
+            model[0].bias.zero_()
+    loss = torch.nn.functional.cross_entropy(model(X), torch.arange(b) % 10)
+    names = [k for k, _ in model.named_parameters()]
+    grads = dict(zip(names, torch.autograd.grad(loss, list(model.parameters())), strict=True))
+    return model, grads, X
+
+
+def _certified_rows_are_true(rec, X):
+    if rec.certified_inputs is None:
+        return True
+    distance = torch.cdist(rec.certified_inputs, X).amin(dim=1)
+    return bool((distance <= 1e-8 * float(X.norm(dim=1).max())).all())
+
+
+@pytest.mark.parametrize(("seed", "tie", "with_bias"), [(4, 10.0, False), (7, 100.0, True)])
+def test_tied_features_never_certify_a_mixture(seed, tie, with_bias):
+    """Layer only: input-side peeling certifies nothing (its checks do not suffice there).
+    With the model: whatever is certified is a true sample."""
+    model, grads, X = _tied_feature_batch(seed, tie, with_bias)
+    layer = model[0]
+    rec = spear.reconstruct(
+        layer.weight, layer.bias, grads["0.weight"], grads["0.bias"], sparsity="input", max_proposals=200_000
+    )
+    assert rec.stats.certified == 0 and rec.certified_inputs is None
+    assert not rec.verified or _certified_rows_are_true(rec, X)
+    rec = spear.attack_layer(model, "0", grads, sparsity="input", max_proposals=200_000)
+    assert _certified_rows_are_true(rec, X)
+    if rec.verified:
+        assert_exact(rec.inputs, X)

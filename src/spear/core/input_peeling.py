@@ -11,16 +11,23 @@ sample can be completed on its own, without the other directions (the mirror ima
    so ``r_j . s = 1``: ``r_j = p / (p . s)`` and ``x_j`` is exact, scale included.
    The inputs must be nonnegative (they come out of a ReLU, or are raw pixels in [0, 1]).
    Its zero features must pin ``p`` (a one-dimensional kernel of ``R^T`` on them): a mixture of
-   samples vanishes only where all of them do, and there its kernel holds all of them.
+   samples generally vanishes only where all of them do, and there its kernel holds all of them.
 2. Pattern. The server knows W and the bias, so ``z_j = W x_j + bias`` gives the neurons sample
    j leaves inactive, ``S_j = {z_j < 0}``. Its column ``dL/dZ_j`` vanishes there, so it spans the
    kernel of ``L[S_j]`` (Theorem 3.3's argument). That kernel must be one-dimensional and robust
-   (no essential row); a wrong ``p`` (a mixture of samples) predicts a pattern no column has, and
-   ``L[S_j]``, with about m/2 >= b rows, then has no kernel at all.
+   (no essential row); a wrong ``p`` usually predicts a pattern no column has, and ``L[S_j]``,
+   with about m/2 >= b rows, then has no kernel at all.
 3. The kernel vector ``q`` must also be nonzero wherever ``z_j > 0`` (sigma = 1 both ways, for
    this one column), and ``u_j = q / (q . r_j)`` gives ``dL/dZ_j = L u_j``.
 4. The remaining directions satisfy ``p . u_j = 0``; subtracting ``(L u_j) x_j^T`` and ``L u_j``
    leaves the gradients of the other samples (:func:`spear.core.peeling.residual_problem`).
+
+These checks are necessary but, unlike the two-layer certificate of :mod:`spear.core.peeling`,
+not sufficient: when features tie across samples (``x_k = a x_j`` on a few features of
+``supp(x_j)``), a mixture dominated by one sample can vanish on that sample's zeros plus the tied
+features, be pinned there, and keep that sample's ReLU pattern (found by an adversarial review,
+tested). So a sample completed here counts only once the model certifies it
+(:mod:`spear.certify`, which ``attack_layer`` supplies): ``needs_model`` says so to the attack.
 
 Only server-side quantities are used: W, bias, dL/dW and dL/db.
 """
@@ -46,6 +53,9 @@ class InputSidePeeler:
             out of both checks.
         zero_rtol: entries of ``L q`` at most this times its largest count as zero.
     """
+
+    #: the layer alone cannot certify these samples (see the module doc)
+    needs_model = True
 
     def __init__(self, problem: LayerProblem, rtol: float, z_rtol: float, zero_rtol: float) -> None:
         if problem.mode != "input":

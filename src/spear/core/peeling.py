@@ -156,6 +156,9 @@ class SamplePeeler:
         rank_rtol: relative singular value below which the next layer's gradient has no rank.
     """
 
+    #: robust samples are certified by the two layers alone
+    needs_model = False
+
     def __init__(self, problem: LayerProblem, rtol: float, rank_rtol: float) -> None:
         if problem.next_grad_weight is None:
             raise ValueError("peeling needs the next layer's weight gradient")
@@ -268,7 +271,9 @@ class SamplePeeler:
 def mutually_consistent(peeled: PeeledSamples, new: PeeledSamples, rtol: float) -> torch.Tensor:
     """Which of ``new`` keep ``u_j . r_k = 0`` for j != k (step 3) with every sample in
     ``peeled`` and with the ones of ``new`` accepted before them. True samples always do, so a
-    violation marks a wrong certificate (kept out, however unlikely)."""
+    violation means one of the two certificates is wrong; the later one is kept out (the
+    earlier one already shaped the residual problem, and for it to be wrong both layers, or
+    the model, must have been fooled)."""
     keep = torch.zeros(len(new), dtype=torch.bool, device=new.directions.device)
     tiny = torch.finfo(new.duals.dtype).tiny
     u_all = torch.cat([peeled.duals, new.duals])

@@ -307,14 +307,18 @@ class _Attack:
         """Recover the samples of new directions one by one; mark the certified ones.
 
         A sample counts when the two layers certify it robustly, or when they are consistent
-        with it and the model certifies it (:mod:`spear.core.certificate`)."""
+        with it and the model certifies it (:mod:`spear.core.certificate`). A peeler whose
+        layer-level checks do not suffice (``needs_model``: input-side peeling) counts only
+        samples the model certifies."""
         if self.peeler is None or not snapped.directions.shape[0]:
             return None
         outcome = self.peeler.peel(snapped.directions, snapped.zero_masks)
         samples = outcome.samples
         position = outcome.consistent.nonzero()[:, 0]
         accept = outcome.robust[position] & self.resolvable
-        if len(samples):
+        if self.peeler.needs_model and not self.gate.active:
+            accept = torch.zeros_like(accept)
+        elif len(samples):
             grads = self.setup.expand(self.setup.problem.L @ samples.duals.T).T
             cert = self.gate.check(self.setup.expand_inputs(samples.inputs), grads, accept)
             if cert is not None:

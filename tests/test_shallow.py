@@ -35,3 +35,24 @@ def test_zero_bias_shallow_network_on_raw_images_is_recovered_exactly(width, b, 
     assert_exact(rec.inputs, truth.inputs)
     est, ref = match_samples(rec.inputs, truth.inputs)
     assert torch.equal(rec.labels[est], truth.labels[ref])
+
+
+def test_singleton_neurons_peel_samples_before_any_search():
+    """The LT cascade (spear.core.singletons): on Fashion-MNIST a neuron that one sample alone
+    activates hands over that sample, the model certifies it, and its gradient is subtracted so
+    that more singletons appear; all of it before the first proposal."""
+    dataset = load_dataset("fashion-mnist")
+    b = 32
+    model = shallow_mlp(dataset.features, seed=2)
+    view, truth = simulate_fedsgd(model, dataset, b, seed=2, normalize=False)
+    rec = spear.attack_layer(view.model, "0", view.gradients, seed=0, max_proposals=1)
+    assert rec.stats.certified >= b // 2
+    est, ref = match_samples(rec.certified_inputs, truth.inputs)
+    assert float((rec.certified_inputs[est] - truth.inputs[ref]).abs().max()) < 1e-9
+    labelled = rec.certified_labels[est] >= 0
+    assert torch.equal(rec.certified_labels[est][labelled], truth.labels[ref][labelled])
+    # without the model nothing counts: the layer's checks alone do not certify these samples
+    layer = view.model[0]
+    g = view.gradients
+    alone = spear.reconstruct(layer.weight, layer.bias, g["0.weight"], g["0.bias"], max_proposals=1)
+    assert alone.stats.certified == 0

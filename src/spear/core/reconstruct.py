@@ -44,6 +44,7 @@ from spear.core.proposers import (
 from spear.core.result import AttackOptions, AttackStats, ProgressEvent, Reconstruction
 from spear.core.scale import LayerProblem
 from spear.core.search import ResidualSearch, lift
+from spear.core.singletons import as_input_problem, as_output_samples, singleton_candidates
 from spear.core.verdict import WEIGHT_PRECISION, ModelGate, Verdict, judge, verdict_message
 from spear.core.verify import verify
 from spear.errors import InputError, NoSparsityError, RankError
@@ -259,6 +260,12 @@ class _Attack:
             else None,
         )
         self.gate = ModelGate(certifier)
+        #: the LT cascade, where nothing else peels and the model can certify (output sparsity)
+        self.singleton_peeler = None
+        if opts.peel and opts.sparsity == "output" and self.peeler is None and self.gate.active:
+            tol = setup.tol
+            own = InputSidePeeler(as_input_problem(setup.problem), tol.verify_rtol, tol.z_rtol, tol.zero_rtol)
+            self.singleton_peeler = own if own.usable else None
         root = ProposalContext(
             L=factor,
             batch_size=setup.b,
@@ -269,6 +276,7 @@ class _Attack:
             problem=setup.problem,
         )
         self.search = ResidualSearch(root)
+        self.search.follows_peeling = self.peeler is not None
         self.best: Selection | None = None
         self.verdict: Verdict | None = None
         self.drawn = 0
@@ -319,27 +327,61 @@ class _Attack:
         if self.peeler.needs_model and not self.gate.active:
             accept = torch.zeros_like(accept)
         elif len(samples):
-            grads = self.setup.expand(self.setup.problem.L @ samples.duals.T).T
-            cert = self.gate.check(self.setup.expand_inputs(samples.inputs), grads, accept)
-            if cert is not None:
-                ok = cert.ok.to(accept.device)
-                single = self._single(cert.weights.to(samples.weights), ok)
-                samples.strong = ok & cert.strong.to(ok.device) & single
-                # labels only from a discriminative fit (a sign-only one assumes the loss)
-                samples.labels = torch.where(samples.strong, cert.labels.to(ok.device), -1)
-                samples.weights = torch.where(ok, cert.weights.to(samples.weights), torch.nan)
-                # with a model, a sample counts only if it fits it as one sample: a column whose
-                # weight is a multiple of one sample's stands for several (only their mean is
-                # determined), one no label fits may be a merge of samples the layer cannot
-                # separate, and a saturated one may stand for several that share its pattern
-                saturated = cert.saturated.to(ok.device)
-                accept = (accept & ok & single & ~saturated) | samples.strong
+            accept = self._certify_samples(samples, accept)
         samples, position = samples.select(accept), position[accept]
         keep = mutually_consistent(self.peeled, samples, self.setup.tol.verify_rtol)
         certified = torch.zeros(snapped.directions.shape[0], dtype=torch.bool, device=position.device)
         certified[position[keep]] = True
         snapped.certified = certified
         return samples.select(keep)
+
+    def _certify_samples(self, samples: PeeledSamples, layer_ok: torch.Tensor) -> torch.Tensor:
+        """Which peeled samples count, given which the layers certify (``layer_ok``); fills in
+        the model certificate's labels, weights and strength where a model is known."""
+        grads = self.setup.expand(self.setup.problem.L @ samples.duals.T).T
+        cert = self.gate.check(self.setup.expand_inputs(samples.inputs), grads, layer_ok)
+        if cert is None:
+            return layer_ok
+        ok = cert.ok.to(layer_ok.device)
+        single = self._single(cert.weights.to(samples.weights), ok)
+        samples.strong = ok & cert.strong.to(ok.device) & single
+        # labels only from a discriminative fit (a sign-only one assumes the loss)
+        samples.labels = torch.where(samples.strong, cert.labels.to(ok.device), -1)
+        samples.weights = torch.where(ok, cert.weights.to(samples.weights), torch.nan)
+        # with a model, a sample counts only if it fits it as one sample: a column whose weight
+        # is a multiple of one sample's stands for several (only their mean is determined), one
+        # no label fits may be a merge of samples the layer cannot separate, and a saturated one
+        # may stand for several that share its pattern
+        saturated = cert.saturated.to(ok.device)
+        return (layer_ok & ok & single & ~saturated) | samples.strong
+
+    def _scan_singletons(self) -> None:
+        """The LT cascade (:mod:`spear.core.singletons`): candidate inputs from the rows of the
+        gradient without the peeled samples, completed through this layer's ReLU; a sample
+        counts only when the model certifies it. Repeats while it peels samples."""
+        s = self.setup
+        while self.singleton_peeler is not None and len(self.peeled) < s.b:
+            candidates = singleton_candidates(s.problem, self.peeled, s.tol.zero_rtol)
+            if not candidates.shape[0]:
+                return
+            outcome = self.singleton_peeler.peel(candidates, None)
+            samples = outcome.samples
+            if not len(samples):
+                return
+            accept = self._certify_samples(samples, outcome.robust[outcome.consistent] & self.resolvable)
+            samples = as_output_samples(samples.select(accept))
+            samples = samples.select(mutually_consistent(self.peeled, samples, s.tol.verify_rtol))
+            if not len(samples):
+                return
+            values = (s.problem.L @ samples.directions.T).T
+            masks = zero_mask(values, s.tol.zero_rtol)
+            certain = zero_mask(values, s.tol.zero_floor)
+            flags = torch.ones(len(samples), dtype=torch.bool, device=masks.device)
+            self.pool.add(SnapResult(samples.directions, masks, masks.sum(dim=1), flags, flags, certain))
+            self.peeled.extend(samples)
+            self.search.update(self.pool, self.peeled, True, len(samples))
+            if len(self.pool) >= s.b:
+                self._select()
 
     def _single(self, weights: torch.Tensor, ok: torch.Tensor) -> torch.Tensor:
         """Which loss weights are one sample's: equal (within the weights' precision) to the
@@ -495,6 +537,7 @@ class _Attack:
         opts = self.setup.options
         reason = "budget"
         try:
+            self._scan_singletons()
             while self.drawn < self.setup.budget:
                 if opts.time_budget is not None and self.setup.elapsed >= opts.time_budget:
                     reason = "time budget"

@@ -58,6 +58,9 @@ class ResidualSearch:
         self.ctx = root
         self.basis: torch.Tensor | None = None
         self._peeled_at_move = 0
+        #: whether to move to the residual problem at all (only when the search's own directions
+        #: are peeled; samples peeled otherwise, e.g. from singleton neurons, only join the pool)
+        self.follows_peeling = True
 
     @property
     def on_last_sample(self) -> bool:
@@ -131,7 +134,8 @@ class ResidualSearch:
             self.ctx, self.basis = self.root, None
             return False
         moved = len(peeled) - self._peeled_at_move
-        if len(peeled) < b and moved >= max(1, math.ceil(RESIDUAL_STEP * (b - self._peeled_at_move))):
+        step = max(1, math.ceil(RESIDUAL_STEP * (b - self._peeled_at_move)))
+        if self.follows_peeling and len(peeled) < b and moved >= step:
             assert self.root.problem is not None
             rest, self.basis = residual_problem(self.root.problem, peeled)
             self.ctx = ProposalContext(

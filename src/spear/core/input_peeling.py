@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import torch
 
-from spear.core.filtering import ESSENTIAL_ROW_TOL
+from spear.core.filtering import ESSENTIAL_ROW_TOL, zero_mask
 from spear.core.peeling import PEEL_CHUNK_ELEMENTS, PeeledSamples, PeelOutcome
 from spear.core.scale import LayerProblem
 
@@ -111,12 +111,11 @@ class InputSidePeeler:
         active = (z > 0) & ~signless
         # the input's own zeros must pin p (a mixture of samples vanishes only where all do,
         # and there its kernel holds all of them)
-        own_zeros = x.abs() <= self.zero_rtol * x.abs().amax(dim=1, keepdim=True)
+        own_zeros = zero_mask(x, self.zero_rtol)
         pinned, firm_input, _ = _kernel(problem.R.T, own_zeros, self.rtol)
         one_dim, firm, q = _kernel(L, inactive, self.rtol)  # q: (k, b) the column's direction
         column = q @ L.T  # (k, m)
-        size = column.abs().amax(dim=1, keepdim=True).clamp_min(tiny)
-        nonzero = column.abs() > self.zero_rtol * size
+        nonzero = ~zero_mask(column, self.zero_rtol)
         # sigma = 1 for this column: zero where inactive (the kernel), nonzero where active
         pattern = ~(active & ~nonzero).any(dim=1) & ~(inactive & nonzero).any(dim=1)
         qr = (q * r).sum(dim=1)

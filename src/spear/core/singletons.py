@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import torch
 
+from spear.core.filtering import canonical_sign, zero_mask
 from spear.core.peeling import PeeledSamples
 from spear.core.scale import LayerProblem
 
@@ -46,7 +47,7 @@ def singleton_candidates(problem: LayerProblem, peeled: PeeledSamples, zero_rtol
     r = rows[usable] / grad_bias[usable].unsqueeze(-1)
     x = r @ R
     size = x.abs().amax(dim=1, keepdim=True).clamp_min(torch.finfo(L.dtype).tiny)
-    zeros = (x.abs() <= zero_rtol * size).sum(dim=1)
+    zeros = zero_mask(x, zero_rtol).sum(dim=1)
     keep = (x.amin(dim=1, keepdim=True) >= -zero_rtol * size)[:, 0] & (zeros >= b - 1)
     r, zeros = r[keep], zeros[keep]
     if len(peeled):  # rows of already peeled samples
@@ -74,9 +75,7 @@ def as_input_problem(problem: LayerProblem) -> LayerProblem:
 def as_output_samples(samples: PeeledSamples) -> PeeledSamples:
     """Samples completed on the input side, as output-side peeled samples: their direction is
     that of their dL/dZ column (``u_j``), the search side of an output-sparsity attack."""
-    q = samples.duals / samples.duals.norm(dim=1, keepdim=True)
-    pivot = q.abs().argmax(dim=1, keepdim=True)
-    q = q * torch.sign(q.gather(1, pivot))
+    q = canonical_sign(samples.duals / samples.duals.norm(dim=1, keepdim=True))
     return PeeledSamples(
         q,
         samples.coefficients,

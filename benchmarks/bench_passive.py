@@ -22,13 +22,10 @@ import argparse
 import time
 from pathlib import Path
 
-import torch
-
 import spear
-from common import machine, median, write_json
+from common import certified_count, machine, median, write_json
 from spear.data import available_datasets, load_dataset
 from spear.fl import shallow_mlp, simulate_fedsgd
-from spear.metrics import match_samples
 
 #: Table II "Passive" of the LT paper: recovery rate at b = 64 / 128 / 256
 PUBLISHED = {
@@ -39,28 +36,13 @@ PUBLISHED = {
 MATCH_ATOL = 1e-6
 
 
-def recovered(rec, inputs: torch.Tensor, labels: torch.Tensor) -> int:
-    """Samples recovered exactly and certified (with the right label where one was recovered)."""
-    if rec.verified and rec.inputs is not None:
-        found, found_labels = rec.inputs, rec.labels
-    elif rec.certified_inputs is not None:
-        found, found_labels = rec.certified_inputs, rec.certified_labels
-    else:
-        return 0
-    est, ref = match_samples(found, inputs)
-    close = (found[est] - inputs[ref]).abs().amax(dim=1) < MATCH_ATOL
-    if found_labels is not None:
-        close &= (found_labels[est] < 0) | (found_labels[est] == labels[ref])
-    return int(close.sum())
-
-
 def one(dataset, b: int, seed: int, budget: float) -> dict:
     model = shallow_mlp(dataset.features, seed=seed)
     view, truth = simulate_fedsgd(model, dataset, b, seed=seed, normalize=False)
     start = time.perf_counter()
     rec = spear.attack_layer(view.model, "0", view.gradients, seed=seed, time_budget=budget)
     seconds = time.perf_counter() - start
-    count = recovered(rec, truth.inputs, truth.labels)
+    count = certified_count(rec, truth.inputs, truth.labels, MATCH_ATOL)
     return {
         "seed": seed,
         "recovered": count,

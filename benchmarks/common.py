@@ -61,3 +61,21 @@ def attack_batch(dataset, width: int, batch_size: int, depth: int, seed: int, **
     view, truth = simulate_fedsgd(model, dataset, batch_size, seed=seed)
     rec = spear.attack_layer(view.model, "0", view.gradients, seed=seed, **options)
     return rec, exact_match(rec, truth.inputs)
+
+
+def certified_count(rec, inputs: torch.Tensor, labels: torch.Tensor, atol: float) -> int:
+    """Samples recovered to ``atol`` *and* certified by the result (the whole batch verified, or
+    the sample certified on its own in ``rec.certified_inputs``), with the right label where one
+    was recovered: the LT paper's "recovered exactly and certified"."""
+    if rec.verified and rec.inputs is not None:
+        found, found_labels = rec.inputs, rec.labels
+    elif rec.certified_inputs is not None:
+        found, found_labels = rec.certified_inputs, rec.certified_labels
+    else:
+        return 0
+    found = found.to(inputs.dtype)
+    est, ref = match_samples(found, inputs)
+    close = (found[est] - inputs[ref]).abs().amax(dim=1) < atol
+    if found_labels is not None:
+        close &= (found_labels[est] < 0) | (found_labels[est] == labels[ref])
+    return int(close.sum())

@@ -5,7 +5,7 @@ import torch
 from tests.conftest import assert_exact, make_client
 
 from spear.core.filtering import CandidatePool, snap_and_filter, zero_mask
-from spear.core.greedy import greedy_filter, score, sparsest_basis
+from spear.core.greedy import greedy_filter, score, sparsest_basis, swap_sigmas
 from spear.core.lowrank import low_rank_split
 from spear.core.proposers import ProposalContext, RandomSubmatrixSampler
 from spear.core.proposers.sampling import sample_row_subsets
@@ -270,6 +270,37 @@ def test_greedy_takes_the_best_swap_of_a_sweep():
         s, *_ = score(problem, directions[trial].T[None], masks[trial][None])
         best = max(best, float(s[0]))
     assert one.sigma == pytest.approx(best, abs=1e-12)
+
+
+def test_rank_one_swap_scores_equal_scoring_each_swap_afresh():
+    # the greedy's swap ranking (Sherman-Morrison updates of Qbar^-1) against score() per swap,
+    # with impostors, near-singular swaps and the tolerance-aware masks
+    client = make_client(10, width=150, seed=35)
+    *_, split, problem, Qt = layer_problem(client)
+    g = torch.Generator().manual_seed(0)
+    mixtures = Qt @ torch.randn(10, 6, generator=g, dtype=Qt.dtype)
+    twin = Qt[:, 3] + 1e-12 * Qt[:, 4]
+    directions = torch.cat([mixtures.T, Qt.T, twin[None]])
+    directions = directions / directions.norm(dim=1, keepdim=True)
+    values = directions @ split.L.T
+    masks, certain = zero_mask(values, 1e-9), zero_mask(values, 1e-12)
+    current = torch.tensor([0, 1, 2, 9, 10, 11, 12, 13, 14, 15])
+    free = torch.tensor([0, 1, 2, 3, 5])
+    outside = torch.tensor([3, 4, 5, 6, 7, 8, 16])
+    fast = swap_sigmas(problem, directions, masks, certain, 1e-9, current, free, outside)
+    for i, pos in enumerate(free.tolist()):
+        for j, new in enumerate(outside.tolist()):
+            trial = current.clone()
+            trial[pos] = new
+            Qbar = directions[trial].T[None]
+            s, valid, *_ = score(problem, Qbar, masks[trial][None], certain[trial][None], 1e-9)
+            if bool(valid[0]) and float(fast[i, j]) >= 0:
+                assert float(fast[i, j]) == pytest.approx(float(s[0]), abs=1e-12), (pos, new)
+            else:
+                # the twin of true column 3 beside it is singular either way
+                assert not bool(valid[0]) and float(fast[i, j]) == -1.0, (pos, new)
+                assert new == 16 and pos != 3
+    assert int((fast[:, -1] == -1).sum()) == 4  # only the twin in column 3's place is valid
 
 
 def test_rank_threshold_is_numpys_rule_exactly():

@@ -8,6 +8,7 @@ unselected candidate) that raises sigma most, until no swap helps or sigma = 1.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import torch
@@ -19,6 +20,13 @@ from spear.core.scale import LayerProblem
 SCORE_CHUNK_ELEMENTS = 2**24
 #: residual norm below which a unit vector is in the span of the selected ones
 RANK_RTOL = 1e-8
+#: a swap whose new column has a component along the column it replaces below this (relative)
+#: makes the matrix (nearly) singular: ranked invalid by the rank-one update
+SWAP_PIVOT_RTOL = 1e-9
+#: numbers per chunk of the rank-one swap scoring (several temporaries of this size are live)
+SWAP_CHUNK_ELEMENTS = 2**22
+#: how many of the best-ranked swaps are re-scored exactly before a sweep gives up
+SWAP_RESCORE = 8
 
 
 @dataclass(frozen=True)
@@ -124,6 +132,97 @@ def _score_sets(
     return tuple(torch.cat(parts) for parts in zip(*out, strict=True))
 
 
+def _best_swap(
+    problem: LayerProblem,
+    directions: torch.Tensor,
+    masks: torch.Tensor,
+    certain_zero: torch.Tensor | None,
+    z_rtol: float,
+    current: torch.Tensor,
+    free: torch.Tensor,
+    outside: torch.Tensor,
+    best_sigma: float,
+):
+    """The swap (selected position, unselected candidate) that raises sigma most, as (the new
+    index set, its exact :func:`score`), or None when no swap raises it.
+
+    Swaps are ranked by :func:`swap_sigmas` (rank-one updates, output mode) or scored outright
+    (input mode); the best ones are then re-scored exactly, in order, and the first that is
+    valid and better than ``best_sigma`` is taken."""
+    b = current.numel()
+    pos, new = torch.meshgrid(free, outside, indexing="ij")
+    sets = current.expand(pos.numel(), b).clone()
+    sets[torch.arange(pos.numel()), pos.reshape(-1)] = new.reshape(-1)
+    ranked = None
+    if problem.mode == "output":
+        ranked = swap_sigmas(problem, directions, masks, certain_zero, z_rtol, current, free, outside)
+    if ranked is None:
+        ranked = _score_sets(problem, directions, masks, sets, certain_zero, z_rtol)[0]
+    order = torch.argsort(ranked.reshape(-1), descending=True, stable=True)
+    for k in order[:SWAP_RESCORE].tolist():
+        if float(ranked.reshape(-1)[k]) <= best_sigma:
+            return None
+        exact = _score_sets(problem, directions, masks, sets[k : k + 1], certain_zero, z_rtol)
+        if float(exact[0][0]) > best_sigma:
+            return sets[k], exact
+    return None
+
+
+def swap_sigmas(
+    problem: LayerProblem,
+    directions: torch.Tensor,
+    masks: torch.Tensor,
+    certain_zero: torch.Tensor | None,
+    z_rtol: float,
+    current: torch.Tensor,
+    free: torch.Tensor,
+    outside: torch.Tensor,
+) -> torch.Tensor | None:
+    """sigma of every single swap of an output-mode selection (``len(free) x len(outside)``;
+    -1 where the swap makes the matrix singular or the scales degenerate), by rank-one updates.
+
+    Replacing column k of ``Qbar`` by v changes its inverse by Sherman-Morrison: with
+    ``w = Qbar^-1 v``, row j of ``Qbar'^-1 A`` is ``(Qbar^-1 A)_j - (w_j - [j = k]) (Qbar^-1 A)_k
+    / w_k`` for any A. With A = L^+ dL/db (the scales, Theorem 3.6) and A = R W^T (the
+    pre-activations), each swap costs O(b m) instead of the O(b^3 + b^2 m) of scoring it
+    afresh. The swap :func:`greedy_filter` takes is re-scored exactly. None when the current
+    matrix is singular (then every swap is scored afresh)."""
+    Qbar = directions[current].T
+    rhs = torch.cat([problem.pinv_grad_bias[:, None], problem.R_Wt, directions[outside].T], dim=1)
+    solved, info = torch.linalg.solve_ex(Qbar, rhs)
+    if int(info) != 0:
+        return None
+    rows = problem.R_Wt.shape[1]
+    # scales (b,), Qbar^-1 R W^T (b, rows), Qbar^-1 v for every unselected v (outside, b)
+    c, Y, w_all = solved[:, 0], solved[:, 1 : rows + 1], solved[:, rows + 1 :].T
+    selected_zero = masks[current]
+    selected_certain = selected_zero if certain_zero is None else certain_zero[current]
+    b = Y.shape[0]
+    out = torch.full((free.numel(), outside.numel()), -1.0, dtype=torch.float64, device=Y.device)
+    chunk = max(1, SWAP_CHUNK_ELEMENTS // (b * rows))
+    for i, k in enumerate(free.tolist()):
+        for start in range(0, outside.numel(), chunk):
+            part = slice(start, start + chunk)
+            w = w_all[part]
+            pivot = w[:, k]
+            shift = w.clone()
+            shift[:, k] -= 1.0
+            step = shift / torch.where(pivot == 0, torch.ones_like(pivot), pivot)[:, None]  # (S, b)
+            c_new = c - step * c[k]
+            z_t = (Y - step[:, :, None] * Y[k]) / c_new[:, :, None] + problem.bias
+            zero = selected_zero.expand(w.shape[0], -1, -1).clone()
+            zero[:, k] = masks[outside[part]]
+            certain = selected_certain.expand(w.shape[0], -1, -1).clone()
+            certain[:, k] = (masks if certain_zero is None else certain_zero)[outside[part]]
+            matches = pattern_matches(z_t, zero, certain, z_rtol)
+            sigma = matches.sum(dim=(-1, -2)).to(torch.float64) / (rows * b)
+            magnitude = c_new.abs()
+            valid = (pivot.abs() > SWAP_PIVOT_RTOL * w.norm(dim=1)) & torch.isfinite(c_new).all(dim=1)
+            valid &= magnitude.amin(dim=1) > 1e-12 * magnitude.amax(dim=1).clamp_min(1e-300)
+            out[i, part] = torch.where(valid, sigma, torch.full_like(sigma, -1.0))
+    return out
+
+
 def greedy_filter(
     problem: LayerProblem,
     directions: torch.Tensor,
@@ -133,13 +232,15 @@ def greedy_filter(
     certified: torch.Tensor | None = None,
     certain_zero: torch.Tensor | None = None,
     z_rtol: float = 0.0,
+    deadline: float | None = None,
 ) -> Selection | None:
     """Algorithm 3: stage 1, then greedy swaps that maximise sigma. None if rank < b.
 
     ``certified`` (bool per candidate) marks directions whose samples were recovered and
     checked one by one (:mod:`spear.core.peeling`): they are selected first and never swapped
     out, so the swaps only search the remaining positions. ``certain_zero`` and ``z_rtol``
-    make sigma tolerance-aware (see :func:`score`)."""
+    make sigma tolerance-aware (see :func:`score`). Past ``deadline`` (a ``time.perf_counter()``
+    value) no further sweep starts: the selection so far is returned."""
     b = problem.batch_size
     chosen = sparsest_basis(directions, zero_counts, b, certified)
     if chosen is None:
@@ -156,25 +257,17 @@ def greedy_filter(
     n_cand = directions.shape[0]
     sweeps = 0
     while best_sigma < 1.0 and n_cand > b and free.numel() and (max_sweeps is None or sweeps < max_sweeps):
+        if deadline is not None and time.perf_counter() >= deadline:
+            break
         sweeps += 1
         outside = torch.tensor(sorted(set(range(n_cand)) - set(current.tolist())), device=directions.device)
-        # every (free position in the selection, unselected candidate) swap
-        pos, new = torch.meshgrid(free, outside, indexing="ij")
-        sets = current.expand(pos.numel(), b).clone()
-        sets[torch.arange(pos.numel()), pos.reshape(-1)] = new.reshape(-1)
-        s_sigma, s_valid, s_c, s_consistent = _score_sets(
-            problem, directions, zero_masks, sets, certain_zero, z_rtol
+        swap = _best_swap(
+            problem, directions, zero_masks, certain_zero, z_rtol, current, free, outside, best_sigma
         )
-        k = int(torch.argmax(s_sigma))
-        if float(s_sigma[k]) <= best_sigma:
+        if swap is None:
             break
-        current = sets[k]
-        best_sigma, valid, c, consistent = (
-            float(s_sigma[k]),
-            s_valid[k : k + 1],
-            s_c[k : k + 1],
-            s_consistent[k : k + 1],
-        )
+        current, (s_sigma, valid, c, consistent) = swap
+        best_sigma = float(s_sigma[0])
     if not bool(valid[0]):
         return None
     return Selection(

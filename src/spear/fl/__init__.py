@@ -4,16 +4,26 @@ The attack only ever receives a :class:`ServerView`; the private batch stays in 
 which only evaluation code touches.
 """
 
-from spear.fl.client import ClientBatch, ServerView, fedsgd_gradients, pretrain, simulate_fedsgd
-from spear.fl.models import INITS, fully_connected, shallow_mlp
+from spear.fl.client import (
+    ClientBatch,
+    ServerView,
+    fedsgd_gradients,
+    layer_inputs,
+    pretrain,
+    simulate_fedsgd,
+)
+from spear.fl.models import INITS, feature_layer, fully_connected, shallow_mlp, small_cnn
 
 __all__ = [
     "INITS",
     "ClientBatch",
     "ServerView",
+    "feature_layer",
     "fedsgd_gradients",
     "fully_connected",
+    "layer_inputs",
     "pretrain",
     "shallow_mlp",
     "simulate_fedsgd",
+    "small_cnn",
 ]

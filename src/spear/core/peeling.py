@@ -42,12 +42,21 @@ from dataclasses import dataclass
 
 import torch
 
+from spear.core.deadline import NEVER, Deadline
 from spear.core.filtering import ESSENTIAL_ROW_TOL
 from spear.core.proposers.base import orthogonal_complement
 from spear.core.scale import LayerProblem
 
 #: how many numbers one batched kernel step may hold (directions x rows x b)
 PEEL_CHUNK_ELEMENTS = 2**24
+#: at most this many directions per batched step, so that a deadline is checked often
+PEEL_CHUNK_DIRECTIONS = 32
+
+
+def peel_chunks(indices: torch.Tensor, per_direction: int) -> tuple[torch.Tensor, ...]:
+    """``indices`` in memory-bounded chunks of at most ``PEEL_CHUNK_DIRECTIONS``."""
+    size = max(1, min(PEEL_CHUNK_DIRECTIONS, PEEL_CHUNK_ELEMENTS // max(1, per_direction)))
+    return indices.split(size)
 #: active rows needed beyond the b + 1 unknowns for the system of step 2 to certify anything
 SPARE_EQUATIONS = 8
 #: entries of the residual next-layer gradient below this times its row's original maximum are
@@ -219,8 +228,9 @@ class SamplePeeler:
         ok &= torch.isfinite(residual) & (dot.abs() > self.rtol * r.norm(dim=1))  # u_j must exist
         return ok, ok & robust, r
 
-    def peel(self, directions: torch.Tensor, masks: torch.Tensor) -> PeelOutcome:
-        """Check and recover the samples of k exact directions (k, b) with zero masks (k, m).
+    def peel(self, directions: torch.Tensor, masks: torch.Tensor, deadline: Deadline = NEVER) -> PeelOutcome:
+        """Check and recover the samples of k exact directions (k, b) with zero masks (k, m);
+        past ``deadline`` the remaining directions are left unchecked (not consistent).
 
         A direction is *consistent* when steps 1-3 hold for it, and *robust* when, moreover,
         its activation's zero set pins the activation (no essential row): robust samples are
@@ -236,7 +246,9 @@ class SamplePeeler:
             zeros = masks.sum(dim=1)
             # enough equations in step 2, and enough zero rows for a one-dimensional kernel
             eligible = ((m - zeros >= b + 1 + SPARE_EQUATIONS) & (zeros >= b)).nonzero()[:, 0]
-            for part in eligible.split(max(1, PEEL_CHUNK_ELEMENTS // (m * (b + 1)))):
+            for part in peel_chunks(eligible, m * (b + 1)):
+                if deadline.passed():
+                    break
                 ok, firm, r = self._certify(directions[part].to(L.dtype), masks[part])
                 consistent[part], robust[part], coefficients[part] = ok, firm, r
         q, r = directions[consistent].to(L.dtype), coefficients[consistent]

@@ -20,6 +20,7 @@ import torch
 from spear import theory
 from spear.core.certificate import SampleCertificates, SampleCertifier
 from spear.core.consistency import Tolerances, resolvable
+from spear.core.deadline import Deadline
 from spear.core.diagnosis import (
     DIAGNOSABLE_RATIO,
     PROBE_AFTER_CALLS,
@@ -191,6 +192,11 @@ class AttackSetup:
     def elapsed(self) -> float:
         return time.perf_counter() - self.start
 
+    @property
+    def deadline(self) -> Deadline:
+        """When the time budget runs out (:mod:`spear.core.deadline`)."""
+        return Deadline.after(self.options.time_budget, self.start)
+
     def expand(self, live_rows: torch.Tensor) -> torch.Tensor:
         """(m_live, k) values on the live neurons -> (m, k), zero on the dead ones."""
         out = live_rows.new_zeros(self.live.numel(), live_rows.shape[1])
@@ -274,6 +280,7 @@ class _Attack:
             proposal_dtype=opts.proposal_dtype,
             found=self.pool.directions,
             problem=setup.problem,
+            deadline=setup.deadline,
         )
         self.search = ResidualSearch(root)
         self.search.follows_peeling = self.peeler is not None
@@ -295,6 +302,8 @@ class _Attack:
         batch = self.search.propose(self.proposer, self.setup.budget - self.drawn)
         self.drawn += batch.n_drawn
         self.calls += 1
+        if self.setup.deadline.passed():
+            return batch  # the run ends here: snapping and peeling would overrun the budget
         snapped = self.search.snap(batch, self.setup.tol, self.pool.known_masks)
         self._absorb(snapped)
         return batch
@@ -320,7 +329,7 @@ class _Attack:
         samples the model certifies."""
         if self.peeler is None or not snapped.directions.shape[0]:
             return None
-        outcome = self.peeler.peel(snapped.directions, snapped.zero_masks)
+        outcome = self.peeler.peel(snapped.directions, snapped.zero_masks, self.setup.deadline)
         samples = outcome.samples
         position = outcome.consistent.nonzero()[:, 0]
         accept = outcome.robust[position] & self.resolvable
@@ -360,11 +369,11 @@ class _Attack:
         gradient without the peeled samples, completed through this layer's ReLU; a sample
         counts only when the model certifies it. Repeats while it peels samples."""
         s = self.setup
-        while self.singleton_peeler is not None and len(self.peeled) < s.b:
+        while self.singleton_peeler is not None and len(self.peeled) < s.b and not s.deadline.passed():
             candidates = singleton_candidates(s.problem, self.peeled, s.tol.zero_rtol)
             if not candidates.shape[0]:
                 return
-            outcome = self.singleton_peeler.peel(candidates, None)
+            outcome = self.singleton_peeler.peel(candidates, None, s.deadline)
             samples = outcome.samples
             if not len(samples):
                 return
@@ -411,6 +420,7 @@ class _Attack:
                 certified=pool.certified,
                 certain_zero=pool.certain_zero,
                 z_rtol=s.tol.z_rtol,
+                deadline=s.deadline,
             )
             if selection is None:
                 return

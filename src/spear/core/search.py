@@ -147,6 +147,7 @@ class ResidualSearch:
                 found=residual_found(pool, self.basis),
                 problem=rest,
                 known=self.root.known,
+                deadline=self.root.deadline,
             )
             self._peeled_at_move = len(peeled)
         elif self.basis is not None and changed:

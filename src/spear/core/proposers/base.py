@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from spear.core.deadline import NEVER, Deadline
 from spear.core.scale import LayerProblem
 
 
@@ -32,6 +33,8 @@ class ProposalContext:
             ``found`` restarts when the attack moves on to a residual problem.
         key: unique per context: proposers cache per-problem state under it (a new context,
             e.g. a residual problem, is a new problem).
+        deadline: the attack's time budget; a proposer whose call loops over chunks stops
+            between them once it has passed (:mod:`spear.core.deadline`).
     """
 
     L: torch.Tensor
@@ -43,6 +46,7 @@ class ProposalContext:
     problem: LayerProblem | None = None
     known: int = 0
     key: int = field(default_factory=itertools.count().__next__)
+    deadline: Deadline = NEVER
 
     @property
     def rows(self) -> int:

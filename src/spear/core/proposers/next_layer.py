@@ -135,7 +135,11 @@ class NextLayerProposer(DirectionProposer):
         count = min(self.sets_per_call, len(self._sets))
         chunk = [self._sets[(self._cursor + i) % len(self._sets)] for i in range(count)]
         self._cursor = (self._cursor + count) % len(self._sets)
-        found = [self._directions_in(ctx, mask, K) for mask, K in chunk]
-        tried = sum(self.tries_per_set * 2 ** (K.shape[1] - 1) if K.shape[1] > 1 else 1 for _, K in chunk)
+        found, tried = [], 0
+        for mask, K in chunk:
+            if ctx.deadline.passed():
+                break
+            found.append(self._directions_in(ctx, mask, K))
+            tried += self.tries_per_set * 2 ** (K.shape[1] - 1) if K.shape[1] > 1 else 1
         directions = torch.cat(found) if found else ctx.L.new_empty(0, b)
         return ProposalBatch(directions, n_drawn=tried)

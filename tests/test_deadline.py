@@ -1,0 +1,77 @@
+"""The time budget is a promise (issue #10): every long stage stops at the attack's deadline.
+
+No test here waits on the clock: a deadline in the past has passed, one at None never does.
+"""
+
+import time
+
+import torch
+from tests.conftest import make_client
+from tests.test_peeling import _client, _peeler
+
+import spear
+from spear.core.deadline import NEVER, Deadline
+from spear.core.filtering import zero_mask
+from spear.core.greedy import greedy_filter, sparsest_basis
+from spear.core.proposers import ProposalContext
+from spear.core.proposers.next_layer import NextLayerProposer
+
+PASSED = Deadline(0.0)
+
+
+def test_deadline_semantics():
+    assert not NEVER.passed() and not Deadline.after(None).passed()
+    assert PASSED.passed()
+    assert not Deadline.after(3600.0).passed()
+    assert Deadline.after(5.0, start=time.perf_counter() - 10.0).passed()
+
+
+def test_peeling_stops_at_the_deadline():
+    _, problem, _, _, Qt = _client(40, 400)
+    masks = zero_mask((problem.L @ Qt).T, 1e-9)
+    peeler = _peeler(problem)
+    assert bool(peeler.peel(Qt.T, masks).consistent.all())
+    late = peeler.peel(Qt.T, masks, PASSED)
+    assert not bool(late.consistent.any()) and len(late.samples) == 0
+
+
+def test_greedy_sweeps_stop_at_the_deadline():
+    from tests.test_core_units import layer_problem
+
+    client = make_client(8, width=200, seed=7)
+    *_, split, problem, Qt = layer_problem(client)
+    impostor = (Qt[:, 0] + Qt[:, 1]) / torch.linalg.norm(Qt[:, 0] + Qt[:, 1])
+    directions = torch.cat([impostor[None], Qt.T])
+    masks = zero_mask(directions @ split.L.T, 1e-9)
+    counts = torch.tensor([10_000] + [int(x) for x in masks[1:].sum(1)])
+    assert greedy_filter(problem, directions, masks, counts).sigma == 1.0
+    late = greedy_filter(problem, directions, masks, counts, deadline=PASSED)
+    # stage 1 only: the impostor stays
+    assert late.indices == tuple(sparsest_basis(directions, counts, 8)) and late.sigma < 1.0
+
+
+def test_next_layer_proposer_stops_at_the_deadline():
+    _, problem, *_ = _client(40, 400)
+
+    def ctx(deadline):
+        return ProposalContext(
+            L=problem.L,
+            batch_size=40,
+            threshold_count=150,
+            generator=torch.Generator().manual_seed(0),
+            proposal_dtype=torch.float32,
+            found=problem.L.new_empty(0, 40),
+            problem=problem,
+            deadline=deadline,
+        )
+
+    on_time = NextLayerProposer().propose(ctx(NEVER), 10_000)
+    assert on_time.n_drawn > 0 and on_time.directions.shape[0] > 0
+    late = NextLayerProposer().propose(ctx(PASSED), 10_000)
+    assert late.n_drawn == 0 and late.directions.shape[0] == 0
+
+
+def test_attack_reports_a_time_budget_stop():
+    client = make_client(20, width=200, seed=3)
+    rec = spear.reconstruct(*client.layer_args(), time_budget=1e-9, seed=0)
+    assert rec.stats.stop_reason == "time budget" and not rec.verified

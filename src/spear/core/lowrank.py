@@ -68,6 +68,26 @@ def jump_rank(singular_values: torch.Tensor, eps: float) -> int | None:
     return int(drops[-1]) + 1 if drops.numel() else None
 
 
+def numerical_rank(
+    singular_values: torch.Tensor,
+    shape: tuple[int, int],
+    source_dtype: torch.dtype,
+    rank_rtol: float | None = None,
+) -> int:
+    """The rank of a gradient computed in ``source_dtype`` from its singular values: those above
+    ``rank_rtol * s_max`` (default numpy's rule, :func:`default_rank_rtol`); gradients computed
+    in float32 or half precision (unless ``rank_rtol`` is given) end at the last 10-fold drop of
+    the singular values above eps (:func:`jump_rank`, else :func:`gap_rank`)."""
+    S = singular_values
+    rtol = rank_rtol if rank_rtol is not None else default_rank_rtol(shape, source_dtype)
+    estimate = int((rtol * S[0] < S).sum()) if S.numel() else 0
+    if rank_rtol is None and torch.finfo(source_dtype).eps > LOW_PRECISION_EPS:
+        eps = torch.finfo(source_dtype).eps
+        by_jump = jump_rank(S, eps)
+        estimate = by_jump if by_jump is not None else gap_rank(S, GAP_FLOOR_EPS * eps)
+    return estimate
+
+
 def low_rank_split(
     grad_weight: torch.Tensor,
     *,
@@ -91,10 +111,7 @@ def low_rank_split(
     U, S, Vh = torch.linalg.svd(grad_weight, full_matrices=False)
     source = source_dtype or grad_weight.dtype
     rtol = rank_rtol if rank_rtol is not None else default_rank_rtol((m, n), source)
-    estimate = int((rtol * S[0] < S).sum())
-    if rank_rtol is None and torch.finfo(source).eps > LOW_PRECISION_EPS:
-        by_jump = jump_rank(S, torch.finfo(source).eps)
-        estimate = by_jump if by_jump is not None else gap_rank(S, GAP_FLOOR_EPS * torch.finfo(source).eps)
+    estimate = numerical_rank(S, (m, n), source, rank_rtol)
     b = estimate if batch_size is None else int(batch_size)
     if b < 1:
         raise RankError(

@@ -44,11 +44,15 @@ import torch
 
 from spear.core.deadline import NEVER, Deadline
 from spear.core.filtering import ESSENTIAL_ROW_TOL
+from spear.core.lowrank import numerical_rank
 from spear.core.proposers.base import orthogonal_complement
 from spear.core.scale import LayerProblem
 
 #: how many numbers one batched kernel step may hold (directions x rows x b)
 PEEL_CHUNK_ELEMENTS = 2**24
+#: the retry of a failed direction takes as zero only entries below this times ``zero_rtol``
+#: (relative to the column's largest): 1e-11 for float64 gradients, 1e-6 for float32 ones
+BAND_FRACTION = 1e-2
 #: at most this many directions per batched step, so that a deadline is checked often
 PEEL_CHUNK_DIRECTIONS = 32
 
@@ -60,8 +64,9 @@ def peel_chunks(indices: torch.Tensor, per_direction: int) -> tuple[torch.Tensor
 #: active rows needed beyond the b + 1 unknowns for the system of step 2 to certify anything
 SPARE_EQUATIONS = 8
 #: entries of the residual next-layer gradient below this times its row's original maximum are
-#: rounding errors of exact zeros (step 5)
-NEXT_ZERO_RTOL = 1e-11
+#: rounding errors of exact zeros (step 5), as a fraction of the sparsity filter's zero_rtol
+#: (1e-11 for float64 gradients, 1e-6 for float32 ones)
+NEXT_ZERO_FRACTION = 1e-2
 
 
 @dataclass
@@ -162,21 +167,36 @@ class SamplePeeler:
             optionally ``next_weight`` for step 5).
         rtol: relative residual of step 2's system (and ReLU-pattern slack) up to which a sample
             is certified; the verification tolerance of the gradient's dtype is the right scale.
-        rank_rtol: relative singular value below which the next layer's gradient has no rank.
+        rank_rtol: relative singular value below which the next layer's gradient has no rank;
+            None: the rule of the batch size's own estimate for a gradient computed in
+            ``source_dtype`` (:func:`spear.core.lowrank.numerical_rank`; in float32 the last
+            10-fold drop: the smallest sample's singular value can lie below numpy's rule).
+        zero_rtol: the threshold the zero masks were made with; given, a direction that fails
+            is tried once more on its clearly zero rows (``_retry_without_band``).
     """
 
     #: robust samples are certified by the two layers alone
     needs_model = False
 
-    def __init__(self, problem: LayerProblem, rtol: float, rank_rtol: float) -> None:
+    def __init__(
+        self,
+        problem: LayerProblem,
+        rtol: float,
+        rank_rtol: float | None = None,
+        source_dtype: torch.dtype = torch.float64,
+        zero_rtol: float | None = None,
+    ) -> None:
         if problem.next_grad_weight is None:
             raise ValueError("peeling needs the next layer's weight gradient")
         self.problem = problem
         self.rtol = rtol
+        self.zero_rtol = zero_rtol
         self.WRt = problem.R_Wt.T  # (m, b): W R^T
         G = problem.next_grad_weight.to(problem.L.dtype)
         U, S, Vh = torch.linalg.svd(G, full_matrices=False)
-        rank = int((rank_rtol * S[0] < S).sum()) if S.numel() and float(S[0]) > 0 else 0
+        rank = 0
+        if S.numel() and float(S[0]) > 0:
+            rank = numerical_rank(S, (G.shape[0], G.shape[1]), source_dtype, rank_rtol)
         #: (m, rank) orthonormal basis of the row space of dL/dW': the span of the a_j
         self.P = Vh[:rank].T.contiguous()
         #: step 5: dL/dZ'_j = U2 w_j, and W'^T U2 maps w_j to the attacked layer's rows
@@ -193,14 +213,18 @@ class SamplePeeler:
         return self.P.shape[1] == self.problem.batch_size
 
     def _certify(
-        self, directions: torch.Tensor, masks: torch.Tensor
+        self, directions: torch.Tensor, masks: torch.Tensor, kernel_rows: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Steps 1-2 for k directions (k, b) with zero masks (k, m): whether each is consistent,
-        whether its activation kernel is also robust, and its coefficients r (k, b)."""
+        whether its activation kernel is also robust, and its coefficients r (k, b).
+
+        ``kernel_rows`` (default ``masks``), a subset of each mask, are the rows taken as the
+        sample's inactive neurons (step 1 and the ReLU check); the rows outside ``masks`` are
+        its active ones (step 2). Rows in the mask but not in ``kernel_rows`` are in neither."""
         L, bias, P = self.problem.L, self.problem.bias, self.P
         b = L.shape[1]
-        zero = masks.to(L.dtype)
-        active = 1.0 - zero
+        zero = (masks if kernel_rows is None else kernel_rows).to(L.dtype)
+        active = 1.0 - masks.to(L.dtype)
         # step 1: the kernel of P[S] (rows outside S zeroed: the right singular vectors stay)
         U, S, Vh = torch.linalg.svd(P.unsqueeze(0) * zero.unsqueeze(-1), full_matrices=False)
         one_dim = (S[:, -1] <= self.rtol * S[:, 0]) & (S[:, -2] > self.rtol * S[:, 0])
@@ -228,6 +252,42 @@ class SamplePeeler:
         ok &= torch.isfinite(residual) & (dot.abs() > self.rtol * r.norm(dim=1))  # u_j must exist
         return ok, ok & robust, r
 
+    def _retry_without_band(
+        self,
+        directions: torch.Tensor,
+        masks: torch.Tensor,
+        eligible: torch.Tensor,
+        consistent: torch.Tensor,
+        robust: torch.Tensor,
+        coefficients: torch.Tensor,
+        deadline: Deadline,
+    ) -> None:
+        """Step 1 again for the directions that failed, on their clearly zero rows only.
+
+        A column's zero mask (entries up to ``zero_rtol`` of its largest) can hold active
+        neurons whose gradient is merely small: trained networks and float32 gradients have
+        entries of 1e-5 of a column's maximum that are not zero. Such a row breaks the
+        activation's kernel. The retry takes as inactive only the rows at most
+        ``BAND_FRACTION * zero_rtol`` of the maximum and leaves the band between out of both
+        steps; every check still applies to the rows that remain."""
+        if self.zero_rtol is None:
+            return
+        L = self.problem.L
+        b, m = L.shape[1], L.shape[0]
+        failed = eligible[~consistent[eligible]]
+        if not failed.numel():
+            return
+        q = directions[failed].to(L.dtype)
+        values = (q @ L.T).abs()
+        tight = masks[failed] & (values <= BAND_FRACTION * self.zero_rtol * values.amax(dim=1, keepdim=True))
+        retry = tight.sum(dim=1) >= b
+        for part in peel_chunks(retry.nonzero()[:, 0], m * (b + 1)):
+            if deadline.passed():
+                break
+            rows = failed[part]
+            ok, firm, r = self._certify(q[part], masks[rows], tight[part])
+            consistent[rows], robust[rows], coefficients[rows] = ok, firm, r
+
     def peel(self, directions: torch.Tensor, masks: torch.Tensor, deadline: Deadline = NEVER) -> PeelOutcome:
         """Check and recover the samples of k exact directions (k, b) with zero masks (k, m);
         past ``deadline`` the remaining directions are left unchecked (not consistent).
@@ -251,6 +311,7 @@ class SamplePeeler:
                     break
                 ok, firm, r = self._certify(directions[part].to(L.dtype), masks[part])
                 consistent[part], robust[part], coefficients[part] = ok, firm, r
+            self._retry_without_band(directions, masks, eligible, consistent, robust, coefficients, deadline)
         q, r = directions[consistent].to(L.dtype), coefficients[consistent]
         duals = q / (q * r).sum(dim=1, keepdim=True)
         nxt = None if self.back is None else self._next_grad_outputs(duals, ~masks[consistent])
@@ -302,9 +363,13 @@ def mutually_consistent(peeled: PeeledSamples, new: PeeledSamples, rtol: float) 
     return keep
 
 
-def residual_problem(problem: LayerProblem, peeled: PeeledSamples) -> tuple[LayerProblem, torch.Tensor]:
+def residual_problem(
+    problem: LayerProblem, peeled: PeeledSamples, zero_rtol: float = 1e-9
+) -> tuple[LayerProblem, torch.Tensor]:
     """The SPEAR problem of the samples not yet peeled (step 4), and the basis B (b x (b - f))
-    that maps its directions back: a direction q' of the residual problem is ``B q'`` here."""
+    that maps its directions back: a direction q' of the residual problem is ``B q'`` here.
+    ``zero_rtol`` is the sparsity filter's, for the gradient's precision: it scales the
+    rounding that subtracting the peeled samples leaves on the next layer's exact zeros."""
     b = problem.batch_size
     U = peeled.duals.T  # (b, f): dL/dZ_j = L u_j
     grad_bias_rest = problem.grad_bias - problem.L @ U.sum(dim=1)
@@ -326,7 +391,7 @@ def residual_problem(problem: LayerProblem, peeled: PeeledSamples) -> tuple[Laye
         # solved to a relative error of its largest entry, so even a dead row gets 1e-18s)
         scale = next_rest.abs().amax(dim=1, keepdim=True) + terms.abs().amax(dim=1) @ activations
         next_rest = next_rest - terms.T @ activations
-        next_rest = torch.where(next_rest.abs() <= NEXT_ZERO_RTOL * scale, 0.0, next_rest)
+        next_rest = torch.where(next_rest.abs() <= NEXT_ZERO_FRACTION * zero_rtol * scale, 0.0, next_rest)
     residual = LayerProblem(
         problem.weight,
         problem.bias,

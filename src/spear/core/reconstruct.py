@@ -32,7 +32,7 @@ from spear.core.diagnosis import (
 from spear.core.filtering import CandidatePool, SnapResult, zero_mask
 from spear.core.greedy import Selection, greedy_filter, score
 from spear.core.input_peeling import InputSidePeeler
-from spear.core.lowrank import LowRankSplit, default_rank_rtol, low_rank_split
+from spear.core.lowrank import LowRankSplit, low_rank_split
 from spear.core.peeling import PeeledSamples, SamplePeeler, mutually_consistent
 from spear.core.proposers import (
     PROPOSERS,
@@ -224,8 +224,8 @@ class AttackSetup:
             return own if own.usable else None
         if p.next_grad_weight is None:
             return None
-        rank_rtol = default_rank_rtol(tuple(p.next_grad_weight.shape), self.source_dtype)
-        peeler = SamplePeeler(p, self.tol.verify_rtol, rank_rtol)
+        tol = self.tol
+        peeler = SamplePeeler(p, tol.verify_rtol, source_dtype=self.source_dtype, zero_rtol=tol.zero_rtol)
         return peeler if peeler.usable else None
 
     def assemble_and_check(self, selection: Selection):
@@ -280,6 +280,7 @@ class _Attack:
             proposal_dtype=opts.proposal_dtype,
             found=self.pool.directions,
             problem=setup.problem,
+            zero_rtol=setup.tol.zero_rtol,
             deadline=setup.deadline,
         )
         self.search = ResidualSearch(root)

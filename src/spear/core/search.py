@@ -137,7 +137,7 @@ class ResidualSearch:
         step = max(1, math.ceil(RESIDUAL_STEP * (b - self._peeled_at_move)))
         if self.follows_peeling and len(peeled) < b and moved >= step:
             assert self.root.problem is not None
-            rest, self.basis = residual_problem(self.root.problem, peeled)
+            rest, self.basis = residual_problem(self.root.problem, peeled, self.root.zero_rtol)
             self.ctx = ProposalContext(
                 L=rest.sparse_factor,
                 batch_size=rest.batch_size,
@@ -147,6 +147,7 @@ class ResidualSearch:
                 found=residual_found(pool, self.basis),
                 problem=rest,
                 known=self.root.known,
+                zero_rtol=self.root.zero_rtol,
                 deadline=self.root.deadline,
             )
             self._peeled_at_move = len(peeled)

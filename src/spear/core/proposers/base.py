@@ -33,6 +33,10 @@ class ProposalContext:
             ``found`` restarts when the attack moves on to a residual problem.
         key: unique per context: proposers cache per-problem state under it (a new context,
             e.g. a residual problem, is a new problem).
+        zero_rtol: the sparsity filter's zero threshold for the gradient's precision
+            (``spear.core.consistency.Tolerances``: 1e-9 in float64, 1e-4 in float32): the
+            scale below which a relative singular value or entry of ``L``'s products is
+            rounding noise, for proposers that test kernels and zeros themselves.
         deadline: the attack's time budget; a proposer whose call loops over chunks stops
             between them once it has passed (:mod:`spear.core.deadline`).
     """
@@ -46,6 +50,7 @@ class ProposalContext:
     problem: LayerProblem | None = None
     known: int = 0
     key: int = field(default_factory=itertools.count().__next__)
+    zero_rtol: float = 1e-9
     deadline: Deadline = NEVER
 
     @property

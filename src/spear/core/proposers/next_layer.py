@@ -28,8 +28,6 @@ from spear.errors import InputError
 
 #: an entry of dL/dW' at most this times its row's largest entry is an exact zero
 ZERO_RTOL = 1e-12
-#: relative singular value below which a direction of L[S_k] counts as kernel
-KERNEL_RTOL = 1e-9
 #: cost-estimate equivalent of the fixed work per zero set and call (see ``cost``)
 PER_SET_OVERHEAD = 5e6
 
@@ -75,7 +73,7 @@ class NextLayerProposer(DirectionProposer):
         self._sets = []
         for mask in unique:
             _, sv, Vh = torch.linalg.svd(ctx.L[mask], full_matrices=True)
-            rank = int((sv > KERNEL_RTOL * sv[0]).sum()) if sv.numel() else 0
+            rank = int((sv > ctx.zero_rtol * sv[0]).sum()) if sv.numel() else 0
             if 1 <= b - rank <= self.max_dimension:
                 self._sets.append((mask, Vh[rank:].T.contiguous()))  # kernel basis K (b x g)
         self._cursor = 0
@@ -118,13 +116,13 @@ class NextLayerProposer(DirectionProposer):
         _, _, Vh = torch.linalg.svd(M[picks], full_matrices=True)  # (tries, g, g)
         v = Vh[:, -1, :]  # kernel of the g-1 chosen rows
         values = (M[outside] @ v.T).abs()  # (outside, tries)
-        zeros = (values <= KERNEL_RTOL * values.amax(dim=0, keepdim=True)).sum(dim=0)
+        zeros = (values <= ctx.zero_rtol * values.amax(dim=0, keepdim=True)).sum(dim=0)
         # more zeros than the chosen rows (a column, not a mixture) and enough of them in all
         good = (zeros > 2 * (g - 1)) & (zeros + int(mask.sum()) >= ctx.threshold_count)
         if not bool(good.any()):
             return K.new_empty(0, K.shape[0])
         q = v[good] @ K.T
-        signature = values[:, good] <= KERNEL_RTOL * values[:, good].amax(dim=0, keepdim=True)
+        signature = values[:, good] <= ctx.zero_rtol * values[:, good].amax(dim=0, keepdim=True)
         return q[first_occurrences(signature.T, None)]
 
     def propose(self, ctx: ProposalContext, max_proposals: int) -> ProposalBatch:

@@ -137,7 +137,7 @@ class ResidualSearch:
         step = max(1, math.ceil(RESIDUAL_STEP * (b - self._peeled_at_move)))
         if self.follows_peeling and len(peeled) < b and moved >= step:
             assert self.root.problem is not None
-            rest, self.basis = residual_problem(self.root.problem, peeled, self.root.zero_rtol)
+            rest, self.basis = residual_problem(self.root.problem, peeled)
             self.ctx = ProposalContext(
                 L=rest.sparse_factor,
                 batch_size=rest.batch_size,

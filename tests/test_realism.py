@@ -49,15 +49,12 @@ def test_float32_trained_network_b64_peels_through_the_next_layer(mnist):
     pretrain(model, mnist, 200, seed=0)
     view, truth = simulate_fedsgd(model, mnist, 64, seed=0)
     rec = spear.attack_layer(view.model, "0", view.gradients, seed=0, max_proposals=200_000)
-    assert rec.stats.certified >= 60
+    assert rec.stats.certified >= 48  # 0 with float64's thresholds
     est, ref = match_samples(rec.certified_inputs.double(), truth.inputs.double())
     error = (rec.certified_inputs.double()[est] - truth.inputs.double()[ref]).abs().amax()
     assert float(error) <= 1e-3 * float(truth.inputs.abs().max())
     assert torch.equal(rec.certified_labels[est], truth.labels[ref])
-    assert rec.sigma == 1.0 and rec.consistent
-    # the last sample is confirmed by a sign only and this layer does not pin it: not verified,
-    # rightly (it is off by 3e-3); verified would have to mean exact
-    if rec.verified:
+    if rec.verified:  # verified must mean exact
         assert_exact(rec.inputs.double(), truth.inputs.double(), rtol=1e-3)
 
 
@@ -91,3 +88,39 @@ def test_small_cnn_checks_its_input(mnist):
     model = small_cnn((3, 32, 32))
     with pytest.raises(InputError, match="3072 features"):
         simulate_fedsgd(model, mnist, 4)
+
+
+@pytest.mark.parametrize("certify", [True, False])
+def test_float32_trained_batch_is_never_verified_with_a_faint_sample_wrong(mnist, certify):
+    """An adversarial review's case: a direction snapped on a zero set that held active rows
+    carries a rounding-level trace of a faint sample's column (share ~1e-3). It peels to its
+    own right sample, but the batch assembles the faint sample 5.8e-3 off while every check of
+    the layer holds. Verified must mean exact: the peeled certificates now count only for
+    columns the batch assembles into the certified sample, the peeling retry demands the
+    direction be the kernel of its clearly zero rows, and the layer alone does not verify
+    samples too faint for its precision (spear.core.verdict.faint_samples)."""
+    model = fully_connected(mnist.features, 400, 4, seed=0, dtype=torch.float32)
+    pretrain(model, mnist, 200, seed=0)
+    view, truth = simulate_fedsgd(model, mnist, 32, seed=0)
+    rec = spear.attack_layer(view.model, "0", view.gradients, seed=0, max_proposals=100_000, certify=certify)
+    assert rec.inputs is not None and rec.consistent
+    est, ref = match_samples(rec.inputs.double(), truth.inputs.double())
+    error = (rec.inputs.double()[est] - truth.inputs.double()[ref]).abs().amax() / truth.inputs.abs().max()
+    assert float(error) > 1e-3  # the case is still hard: one sample is off ...
+    assert not rec.verified  # ... and the result says so
+    if certify:  # what was certified one by one is exact
+        est, ref = match_samples(rec.certified_inputs.double(), truth.inputs.double())
+        gap = (rec.certified_inputs.double()[est] - truth.inputs.double()[ref]).abs().amax()
+        assert float(gap) <= 1e-3 * float(truth.inputs.abs().max())
+
+
+def test_faint_samples_are_judged_by_their_share_of_the_gradient():
+    from spear.core.consistency import Tolerances
+    from spear.core.verdict import faint_samples
+
+    inputs = torch.ones(3, 5, dtype=torch.float64)
+    grad_outputs = torch.ones(7, 3, dtype=torch.float64)
+    grad_outputs[:, 1] *= 3e-2  # share 3e-2
+    grad_outputs[:, 2] *= 3e-3  # share 3e-3
+    for dtype in (torch.float64, torch.float32, torch.float16):
+        assert faint_samples(inputs, grad_outputs, Tolerances.for_dtype(dtype)) == [2]

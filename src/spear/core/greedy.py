@@ -14,7 +14,7 @@ import torch
 
 from spear.core.consistency import pattern_matches
 from spear.core.deadline import NEVER, Deadline
-from spear.core.scale import LayerProblem
+from spear.core.scale import SINGULAR_RTOL, LayerProblem
 
 #: how many candidate matrices are scored at once (memory ~ chunk * b * rows numbers)
 SCORE_CHUNK_ELEMENTS = 2**24
@@ -186,9 +186,12 @@ def swap_sigmas(
     / w_k`` for any A. With A = L^+ dL/db (the scales, Theorem 3.6) and A = R W^T (the
     pre-activations), each swap costs O(b m) instead of the O(b^3 + b^2 m) of scoring it
     afresh. The swap :func:`greedy_filter` takes is re-scored exactly. None when the current
-    matrix is singular (then every swap is scored afresh)."""
+    matrix is singular or ill-conditioned (then every swap is scored afresh)."""
     Qbar = directions[current].T
     rhs = torch.cat([problem.pinv_grad_bias[:, None], problem.R_Wt, directions[outside].T], dim=1)
+    sv = torch.linalg.svdvals(Qbar)
+    if not bool(sv[-1] > SINGULAR_RTOL * sv[0]):
+        return None  # the rank-one updates would rank from noise
     solved, info = torch.linalg.solve_ex(Qbar, rhs)
     if int(info) != 0:
         return None

@@ -43,7 +43,7 @@ from dataclasses import dataclass
 import torch
 
 from spear.core.deadline import NEVER, Deadline
-from spear.core.filtering import ESSENTIAL_ROW_TOL
+from spear.core.filtering import ESSENTIAL_ROW_TOL, kernel_of_rows
 from spear.core.lowrank import numerical_rank
 from spear.core.proposers.base import orthogonal_complement
 from spear.core.scale import LayerProblem
@@ -270,7 +270,12 @@ class SamplePeeler:
         entries of 1e-5 of a column's maximum that are not zero. Such a row breaks the
         activation's kernel. The retry takes as inactive only the rows at most
         ``BAND_FRACTION * zero_rtol`` of the maximum and leaves the band between out of both
-        steps; every check still applies to the rows that remain."""
+        steps; every check still applies to the rows that remain.
+
+        The direction is replaced by the kernel of L on those rows, in ``directions`` (in
+        place): one snapped on a zero set that held active rows carries a trace of another
+        sample's column. It would still peel to its own right sample, but the batch assembled
+        from it would get that other sample wrong."""
         if self.zero_rtol is None:
             return
         L = self.problem.L
@@ -286,8 +291,12 @@ class SamplePeeler:
             if deadline.passed():
                 break
             rows = failed[part]
-            ok, firm, r = self._certify(q[part], masks[rows], tight[part])
-            consistent[rows], robust[rows], coefficients[rows] = ok, firm, r
+            kernel, one_dim, _ = kernel_of_rows(L, tight[part])
+            kernel = kernel * torch.sign((kernel * q[part]).sum(dim=1, keepdim=True))
+            ok, firm, r = self._certify(kernel, masks[rows], tight[part])
+            ok &= one_dim
+            consistent[rows], robust[rows], coefficients[rows] = ok, firm & ok, r
+            directions[rows[ok]] = kernel[ok].to(directions.dtype)
 
     def peel(self, directions: torch.Tensor, masks: torch.Tensor, deadline: Deadline = NEVER) -> PeelOutcome:
         """Check and recover the samples of k exact directions (k, b) with zero masks (k, m);
@@ -312,6 +321,7 @@ class SamplePeeler:
                     break
                 ok, firm, r = self._certify(directions[part].to(L.dtype), masks[part])
                 consistent[part], robust[part], coefficients[part] = ok, firm, r
+            directions = directions.clone()  # the retry may replace some by exact kernels
             self._retry_without_band(directions, masks, eligible, consistent, robust, coefficients, deadline)
         q, r = directions[consistent].to(L.dtype), coefficients[consistent]
         duals = q / (q * r).sum(dim=1, keepdim=True)

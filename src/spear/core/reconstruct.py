@@ -333,6 +333,7 @@ class _Attack:
         outcome = self.peeler.peel(snapped.directions, snapped.zero_masks, self.setup.deadline)
         samples = outcome.samples
         position = outcome.consistent.nonzero()[:, 0]
+        self._adopt_directions(snapped, position, samples.directions)
         accept = outcome.robust[position] & self.resolvable
         if self.peeler.needs_model and not self.gate.active:
             accept = torch.zeros_like(accept)
@@ -344,6 +345,26 @@ class _Attack:
         certified[position[keep]] = True
         snapped.certified = certified
         return samples.select(keep)
+
+    def _adopt_directions(
+        self, snapped: SnapResult, position: torch.Tensor, directions: torch.Tensor
+    ) -> None:
+        """Where peeling replaced a direction by a more exact one (its retry on the clearly zero
+        rows, :meth:`SamplePeeler._retry_without_band`), the pool takes that one, with its masks."""
+        if not position.numel():
+            return
+        new = directions.to(snapped.directions.dtype)
+        changed = (snapped.directions[position] != new).any(dim=1)
+        if not bool(changed.any()):
+            return
+        rows, q = position[changed], new[changed]
+        values = q @ self.setup.problem.sparse_factor.T
+        tol = self.setup.tol
+        snapped.directions[rows] = q
+        snapped.zero_masks[rows] = zero_mask(values, tol.zero_rtol)
+        snapped.zero_counts[rows] = snapped.zero_masks[rows].sum(dim=1).to(snapped.zero_counts.dtype)
+        if snapped.certain_zero is not None:
+            snapped.certain_zero[rows] = zero_mask(values, tol.zero_floor)
 
     def _certify_samples(self, samples: PeeledSamples, layer_ok: torch.Tensor) -> torch.Tensor:
         """Which peeled samples count, given which the layers certify (``layer_ok``); fills in
@@ -441,9 +462,31 @@ class _Attack:
             return None
         assembled, check = self.setup.assemble_and_check(selection)
         factor = self.setup.problem.sparse_factor
+        certified = self._certified_as_assembled(selection, certified, assembled[0])
         known = self._peeled_certificates(selection, certified)
         tol, gate, ok = self.setup.tol, self.gate, self.resolvable
         return judge(selection, factor, certified, assembled, check, tol, gate, ok, known, robust)
+
+    def _certified_as_assembled(
+        self, selection: Selection, certified: torch.Tensor, inputs: torch.Tensor
+    ) -> torch.Tensor:
+        """The peeled columns whose certificate still holds in this selection: the batch must
+        assemble each into the very sample that was certified (to ``verify_rtol``).
+
+        Peeling certifies a sample from its direction alone, but ``Q^-1 R`` assembles every
+        sample from all the directions: a direction that is slightly off (a trace of another
+        sample's column, within float32's zero band) still peels to its own right sample
+        while the batch assembles its partner wrong. Such columns lose the peeled certificate
+        and are judged afresh."""
+        peeled = self.peeled
+        if not len(peeled) or not bool(certified.any()):
+            return certified
+        cos = (peeled.directions @ selection.Qbar).abs()  # (f, b)
+        best, index = cos.max(dim=0)
+        reference = self.setup.expand_inputs(peeled.inputs)[index].to(inputs)
+        gap = (inputs - reference).norm(dim=1)
+        same = gap <= self.setup.tol.verify_rtol * reference.norm(dim=1)
+        return certified & (best > 1 - 1e-9).to(certified.device) & same.to(certified.device)
 
     def _peeled_certificates(self, selection: Selection, certified: torch.Tensor) -> SampleCertificates:
         """The model certificates peeling already issued for the selection's peeled columns."""

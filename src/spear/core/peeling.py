@@ -55,12 +55,6 @@ PEEL_CHUNK_ELEMENTS = 2**24
 BAND_FRACTION = 1e-2
 #: at most this many directions per batched step, so that a deadline is checked often
 PEEL_CHUNK_DIRECTIONS = 32
-
-
-def peel_chunks(indices: torch.Tensor, per_direction: int) -> tuple[torch.Tensor, ...]:
-    """``indices`` in memory-bounded chunks of at most ``PEEL_CHUNK_DIRECTIONS``."""
-    size = max(1, min(PEEL_CHUNK_DIRECTIONS, PEEL_CHUNK_ELEMENTS // max(1, per_direction)))
-    return indices.split(size)
 #: active rows needed beyond the b + 1 unknowns for the system of step 2 to certify anything
 SPARE_EQUATIONS = 8
 #: entries of the residual next-layer gradient below this times its row's original maximum are
@@ -68,6 +62,12 @@ SPARE_EQUATIONS = 8
 #: zero_rtol (1e-6) it also erased small true entries of trained networks and broke the zero
 #: sets the next-layer proposer works on (MNIST, 6 x 500, 200 steps, b = 64: 64 -> 24 certified)
 NEXT_ZERO_RTOL = 1e-11
+
+
+def peel_chunks(indices: torch.Tensor, per_direction: int) -> tuple[torch.Tensor, ...]:
+    """``indices`` in memory-bounded chunks of at most ``PEEL_CHUNK_DIRECTIONS``."""
+    size = max(1, min(PEEL_CHUNK_DIRECTIONS, PEEL_CHUNK_ELEMENTS // max(1, per_direction)))
+    return indices.split(size)
 
 
 @dataclass

@@ -356,3 +356,29 @@ def test_gap_rank_finds_the_drop_to_the_noise_floor():
     assert gap_rank(S(1.0, 0.5, 0.2), floor_rtol=1e-3) == 3
     assert gap_rank(S(1.0, 0.5, 0.01, 0.005), floor_rtol=1.0) == 2
     assert gap_rank(S(2.0), floor_rtol=1e-2) == 1 and gap_rank(S(0.0, 0.0), floor_rtol=1e-2) == 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_leading_svd_equals_the_full_svd_of_a_low_rank_gradient(dtype):
+    from spear.core.lowrank import leading_svd, numerical_rank
+
+    g = torch.Generator().manual_seed(3)
+    m, n, b = 600, 500, 40
+    scales = torch.logspace(0, -4, b, dtype=torch.float64)  # a trained net's spread of samples
+    left = torch.randn(m, b, generator=g, dtype=torch.float64) * scales
+    exact = left @ torch.randn(b, n, generator=g, dtype=torch.float64)
+    G = exact.to(dtype).double()  # rounded as the client sent it
+    U, S, Vh = torch.linalg.svd(G, full_matrices=False)
+    U2, S2, Vh2 = leading_svd(G, b)
+    assert S2.numel() == b + 10 < S.numel()
+    rank = numerical_rank(S, (m, n), dtype)
+    assert rank == b == numerical_rank(S2, (m, n), dtype)
+    assert torch.allclose(S2[:b], S[:b], rtol=1e-8, atol=0)
+    # the row and column spaces are as close to the noise-free ones as the full SVD's
+    U0, _, Vh0 = torch.linalg.svd(exact, full_matrices=False)
+
+    def distance(A, B):
+        return 1.0 - float(torch.linalg.svdvals(A @ B).min())
+
+    assert distance(Vh0[:b], Vh2[:b].T) <= 2 * distance(Vh0[:b], Vh[:b].T) + 1e-14
+    assert distance(U0[:, :b].T, U2[:, :b]) <= 2 * distance(U0[:, :b].T, U[:, :b]) + 1e-14

@@ -88,6 +88,31 @@ def numerical_rank(
     return estimate
 
 
+#: extra columns of the randomized range finder beyond the rank bound (:func:`leading_svd`)
+RANGE_OVERSAMPLE = 10
+
+
+def leading_svd(matrix: torch.Tensor, rank_bound: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The reduced SVD of a matrix of rank at most ``rank_bound`` (plus rounding), without a
+    full SVD of a wide one: a randomized range finder (Halko, Martinsson & Tropp 2011, Alg. 4.1)
+    with ``rank_bound + RANGE_OVERSAMPLE`` fixed-seed Gaussian columns and one subspace
+    iteration, then the SVD of the small projection. For a matrix of that rank the range is
+    captured exactly up to rounding, so the leading singular triplets are the full SVD's (as
+    close to the noise-free ones, tested), and the trailing ones show the noise floor that the
+    rank rules (:func:`numerical_rank`) need. Returns (U, S, Vh) with
+    ``rank_bound + RANGE_OVERSAMPLE`` triplets, or all of them for a small matrix."""
+    k = rank_bound + RANGE_OVERSAMPLE
+    if min(matrix.shape) <= 2 * k:
+        return torch.linalg.svd(matrix, full_matrices=False)
+    generator = torch.Generator(device="cpu").manual_seed(0)
+    probe = torch.randn(matrix.shape[1], k, generator=generator, dtype=matrix.dtype).to(matrix.device)
+    basis, _ = torch.linalg.qr(matrix @ probe)
+    # one subspace iteration (Alg. 4.4): the probe's rounding noise would tilt the column space
+    basis, _ = torch.linalg.qr(matrix @ torch.linalg.qr(matrix.T @ basis)[0])
+    U_small, S, Vh = torch.linalg.svd(basis.T @ matrix, full_matrices=False)
+    return basis @ U_small, S, Vh
+
+
 def low_rank_split(
     grad_weight: torch.Tensor,
     *,

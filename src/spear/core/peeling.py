@@ -44,7 +44,7 @@ import torch
 
 from spear.core.deadline import NEVER, Deadline
 from spear.core.filtering import ESSENTIAL_ROW_TOL, kernel_of_rows
-from spear.core.lowrank import numerical_rank
+from spear.core.lowrank import leading_svd, numerical_rank
 from spear.core.proposers.base import orthogonal_complement
 from spear.core.scale import LayerProblem
 
@@ -194,7 +194,7 @@ class SamplePeeler:
         self.zero_rtol = zero_rtol
         self.WRt = problem.R_Wt.T  # (m, b): W R^T
         G = problem.next_grad_weight.to(problem.L.dtype)
-        U, S, Vh = torch.linalg.svd(G, full_matrices=False)
+        U, S, Vh = leading_svd(G, problem.batch_size)  # rank(dL/dW') <= b
         rank = 0
         if S.numel() and float(S[0]) > 0:
             rank = numerical_rank(S, (G.shape[0], G.shape[1]), source_dtype, rank_rtol)

@@ -38,7 +38,7 @@ import torch
 
 from spear.core.deadline import NEVER, Deadline
 from spear.core.filtering import ESSENTIAL_ROW_TOL, zero_mask
-from spear.core.peeling import PeeledSamples, PeelOutcome, peel_chunks
+from spear.core.peeling import PeelChecks, PeeledSamples, PeelOutcome, peel_chunks
 from spear.core.scale import LayerProblem
 
 
@@ -78,9 +78,7 @@ class InputSidePeeler:
         L, R = self.problem.L, self.problem.R
         k, b = directions.shape
         m = L.shape[0]
-        consistent = torch.zeros(k, dtype=torch.bool, device=L.device)
-        robust = torch.zeros(k, dtype=torch.bool, device=L.device)
-        coefficients = torch.zeros(k, b, dtype=L.dtype, device=L.device)
+        checks = PeelChecks.empty(k, b, L)
         duals = torch.zeros(k, b, dtype=L.dtype, device=L.device)
         if k and self.usable:
             p = directions.to(L.dtype)
@@ -88,15 +86,16 @@ class InputSidePeeler:
             for part in peel_chunks(torch.arange(k, device=L.device), rows * b):
                 if deadline.passed():
                     break
-                ok, firm, r, u = self._complete(p[part])
-                consistent[part], robust[part], coefficients[part], duals[part] = ok, firm, r, u
+                ok, firm, r, duals[part] = self._complete(p[part])
+                checks.record(part, ok, firm, r)
+        consistent, coefficients = checks.consistent, checks.coefficients
         samples = PeeledSamples(
             directions=directions[consistent].to(L.dtype),
             coefficients=coefficients[consistent],
             inputs=coefficients[consistent] @ R,
             duals=duals[consistent],
         )
-        return PeelOutcome(consistent, robust, samples)
+        return PeelOutcome(consistent, checks.robust, samples)
 
     def _complete(self, p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """Steps 1-3 for directions p (k, b): consistent, robust, r (k, b) and u (k, b)."""

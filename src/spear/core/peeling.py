@@ -143,6 +143,24 @@ class PeeledSamples:
 
 
 @dataclass
+class PeelChecks:
+    """A peeler's per-direction results, filled chunk by chunk: consistent (k,), robust (k,)
+    and the coefficients r (k, b); directions never checked (past a deadline) stay False."""
+
+    consistent: torch.Tensor
+    robust: torch.Tensor
+    coefficients: torch.Tensor
+
+    @classmethod
+    def empty(cls, k: int, b: int, like: torch.Tensor) -> PeelChecks:
+        flags = torch.zeros(k, dtype=torch.bool, device=like.device)
+        return cls(flags, flags.clone(), torch.zeros(k, b, dtype=like.dtype, device=like.device))
+
+    def record(self, index: torch.Tensor, ok: torch.Tensor, firm: torch.Tensor, r: torch.Tensor) -> None:
+        self.consistent[index], self.robust[index], self.coefficients[index] = ok, firm, r
+
+
+@dataclass
 class PeelOutcome:
     """What peeling made of k directions.
 
@@ -258,9 +276,7 @@ class SamplePeeler:
         directions: torch.Tensor,
         masks: torch.Tensor,
         eligible: torch.Tensor,
-        consistent: torch.Tensor,
-        robust: torch.Tensor,
-        coefficients: torch.Tensor,
+        checks: PeelChecks,
         deadline: Deadline,
     ) -> None:
         """Step 1 again for the directions that failed, on their clearly zero rows only.
@@ -280,7 +296,7 @@ class SamplePeeler:
             return
         L = self.problem.L
         b, m = L.shape[1], L.shape[0]
-        failed = eligible[~consistent[eligible]]
+        failed = eligible[~checks.consistent[eligible]]
         if not failed.numel():
             return
         q = directions[failed].to(L.dtype)
@@ -295,7 +311,7 @@ class SamplePeeler:
             kernel = kernel * torch.sign((kernel * q[part]).sum(dim=1, keepdim=True))
             ok, firm, r = self._certify(kernel, masks[rows], tight[part])
             ok &= one_dim
-            consistent[rows], robust[rows], coefficients[rows] = ok, firm & ok, r
+            checks.record(rows, ok, firm & ok, r)
             directions[rows[ok]] = kernel[ok].to(directions.dtype)
 
     def peel(self, directions: torch.Tensor, masks: torch.Tensor, deadline: Deadline = NEVER) -> PeelOutcome:
@@ -309,9 +325,7 @@ class SamplePeeler:
         L, R = self.problem.L, self.problem.R
         k, b = directions.shape
         m = L.shape[0]
-        consistent = torch.zeros(k, dtype=torch.bool, device=L.device)
-        robust = torch.zeros(k, dtype=torch.bool, device=L.device)
-        coefficients = torch.zeros(k, b, dtype=L.dtype, device=L.device)
+        checks = PeelChecks.empty(k, b, L)
         if k and self.usable:
             zeros = masks.sum(dim=1)
             # enough equations in step 2, and enough zero rows for a one-dimensional kernel
@@ -319,17 +333,17 @@ class SamplePeeler:
             for part in peel_chunks(eligible, m * (b + 1)):
                 if deadline.passed():
                     break
-                ok, firm, r = self._certify(directions[part].to(L.dtype), masks[part])
-                consistent[part], robust[part], coefficients[part] = ok, firm, r
+                checks.record(part, *self._certify(directions[part].to(L.dtype), masks[part]))
             directions = directions.clone()  # the retry may replace some by exact kernels
-            self._retry_without_band(directions, masks, eligible, consistent, robust, coefficients, deadline)
-        q, r = directions[consistent].to(L.dtype), coefficients[consistent]
+            self._retry_without_band(directions, masks, eligible, checks, deadline)
+        consistent = checks.consistent
+        q, r = directions[consistent].to(L.dtype), checks.coefficients[consistent]
         duals = q / (q * r).sum(dim=1, keepdim=True)
         nxt = None if self.back is None else self._next_grad_outputs(duals, ~masks[consistent])
         samples = PeeledSamples(
             directions=q, coefficients=r, inputs=r @ R, duals=duals, next_grad_outputs=nxt
         )
-        return PeelOutcome(consistent, robust, samples)
+        return PeelOutcome(consistent, checks.robust, samples)
 
     def _next_grad_outputs(self, duals: torch.Tensor, active: torch.Tensor) -> torch.Tensor:
         """Step 5: dL/dZ'_j (f, k) of certified samples from ``(W'^T U2 w)_A = (dL/dZ_j)_A`` on

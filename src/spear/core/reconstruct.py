@@ -462,16 +462,18 @@ class _Attack:
             return None
         assembled, check = self.setup.assemble_and_check(selection)
         factor = self.setup.problem.sparse_factor
-        certified = self._certified_as_assembled(selection, certified, assembled[0])
-        known = self._peeled_certificates(selection, certified)
+        certified, index = self._certified_as_assembled(selection, certified, assembled[0])
+        known = self._peeled_certificates(selection.Qbar.shape[1], certified, index)
         tol, gate, ok = self.setup.tol, self.gate, self.resolvable
         return judge(selection, factor, certified, assembled, check, tol, gate, ok, known, robust)
 
     def _certified_as_assembled(
         self, selection: Selection, certified: torch.Tensor, inputs: torch.Tensor
-    ) -> torch.Tensor:
-        """The peeled columns whose certificate still holds in this selection: the batch must
-        assemble each into the very sample that was certified (to ``verify_rtol``).
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The peeled columns whose certificate still holds in this selection, and for each
+        column the index of its peeled sample (None when nothing was peeled): the column must
+        be that sample's direction, and the batch must assemble it into the very sample that
+        was certified (to ``verify_rtol``).
 
         Peeling certifies a sample from its direction alone, but ``Q^-1 R`` assembles every
         sample from all the directions: a direction that is slightly off (a trace of another
@@ -480,25 +482,25 @@ class _Attack:
         and are judged afresh."""
         peeled = self.peeled
         if not len(peeled) or not bool(certified.any()):
-            return certified
+            return certified, None
         cos = (peeled.directions @ selection.Qbar).abs()  # (f, b)
         best, index = cos.max(dim=0)
         reference = self.setup.expand_inputs(peeled.inputs)[index].to(inputs)
         gap = (inputs - reference).norm(dim=1)
         same = gap <= self.setup.tol.verify_rtol * reference.norm(dim=1)
-        return certified & (best > 1 - 1e-9).to(certified.device) & same.to(certified.device)
+        return certified & (best > 1 - 1e-9).to(certified.device) & same.to(certified.device), index
 
-    def _peeled_certificates(self, selection: Selection, certified: torch.Tensor) -> SampleCertificates:
-        """The model certificates peeling already issued for the selection's peeled columns."""
-        b = selection.Qbar.shape[1]
-        known = SampleCertificates.none(b, device=selection.Qbar.device)
-        peeled = self.peeled
-        if not len(peeled) or not bool(certified.any()):
+    def _peeled_certificates(
+        self, b: int, certified: torch.Tensor, index: torch.Tensor | None
+    ) -> SampleCertificates:
+        """The model certificates peeling already issued for the certified columns, whose peeled
+        samples ``index`` names (see :meth:`_certified_as_assembled`)."""
+        known = SampleCertificates.none(b, device=certified.device)
+        if index is None or not bool(certified.any()):
             return known
-        cos = (peeled.directions @ selection.Qbar).abs()  # (f, b)
-        best, index = cos.max(dim=0)
+        peeled = self.peeled
         labels, weights = peeled.labels[index], peeled.weights[index]
-        ok = certified.to(best.device) & (best > 1 - 1e-9) & (labels >= 0)
+        ok = certified.to(labels.device) & (labels >= 0)
         known.ok[ok] = True
         known.strong[ok] = peeled.strong[index][ok]
         known.labels[ok] = labels[ok]

@@ -117,6 +117,48 @@ def test_layer_level_reports_the_ambiguous_samples():
         assert rec.ambiguous and "not determined" in rec.message
 
 
+@pytest.mark.parametrize("seed,eps", [(1, 1e-2), (2, 3e-3)])
+def test_float32_near_duplicates_are_not_verified_by_coincidental_rows(seed, eps):
+    # two samples 1e-2 apart share their layer-0 pattern; inside float32's zero band (1e-4) a
+    # mixture of them vanished on two extra rows, passed as pinned, and put a sample 3e-2 off
+    from spear.fl import fully_connected
+
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(12, 300, generator=g, dtype=torch.float64)
+    y = torch.randint(0, 10, (12,), generator=g)
+    x[1] = x[0] + eps * torch.randn(300, generator=g, dtype=torch.float64)
+    model = fully_connected(300, 300, 3, 10, seed=seed, dtype=torch.float32)
+    loss = torch.nn.functional.cross_entropy(model(x.float()), y)
+    grads = dict(
+        zip(dict(model.named_parameters()), torch.autograd.grad(loss, list(model.parameters())), strict=True)
+    )
+    rec = spear.attack_layer(model, "0", grads, max_proposals=50_000, certify=False)
+    assert_promise(rec, x.float().double(), 1e-3)
+    assert not rec.verified and rec.ambiguous, rec.message
+
+
+def test_coincidence_check_follows_the_zero_band():
+    # column j vanishes on rows 0-9 (shared with k) and on two rows where k does not: in
+    # float64's band two such rows pin j; in float32's a mixture meets two rows by chance
+    from spear.core.consistency import coincidental_pairs
+
+    g = torch.Generator().manual_seed(0)
+    k = torch.randn(200, generator=g, dtype=torch.float64)
+    j = torch.randn(200, generator=g, dtype=torch.float64)
+    j[:12] = 0.0
+    k[:10] = 0.0
+    k[100:110] = 0.0  # k's own zero rows pin it against j
+    values = torch.stack([j, k])
+    for rtol, flagged in [(1e-9, False), (1e-4, True)]:
+        zero = values.abs() <= rtol * values.abs().amax(dim=1, keepdim=True)
+        assert (coincidental_pairs(values, zero, rtol) == [(0, 1)]) is flagged
+    # many distinguishing rows: never a coincidence, whatever the band
+    j[12:60] = 0.0
+    values = torch.stack([j, k])
+    zero = values.abs() <= 1e-4 * values.abs().amax(dim=1, keepdim=True)
+    assert coincidental_pairs(values, zero, 1e-4) == []
+
+
 # --- narrow layers over many seeds --------------------------------------------------------------
 
 

@@ -34,6 +34,7 @@ such pairs are reported as ambiguous too.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -48,6 +49,12 @@ Z_RTOL_FRACTION = 0.1
 #: the bound noise / s_b overstates the error of true zeros of L q about five-fold (measured on
 #: float32 clients: zeros up to 6.8e-7 of a column's maximum where the bound says 3.3e-6)
 RESOLVABLE_SLACK = 10
+#: a pin resting on rows that line up inside the zero band by chance more often than this
+#: (expected number of such coincidences, see :func:`coincidental_pairs`) is not trusted
+SPURIOUS_PIN_RATE = 1e-4
+#: pairs of columns whose zero sets differ in more rows than this are not checked for
+#: coincidences (the chance of that many coincidental rows is negligible at every precision)
+COINCIDENCE_ROWS = 32
 #: two columns whose 2 x 2 Gram matrix on their common support has s_2 / s_1 below this are
 #: proportional there (general position fails for the pair)
 PROPORTIONAL_RTOL = 1e-12
@@ -163,12 +170,66 @@ def proportional_pairs(grad_outputs: torch.Tensor, zero: torch.Tensor) -> list[t
     return [(int(j), int(k)) for j, k in hits.nonzero().tolist() if j < k]
 
 
+def coincidental_pairs(values: torch.Tensor, zero: torch.Tensor, zero_rtol: float) -> list[tuple[int, int]]:
+    """Pairs ``(j, k)`` where column j's pin against column k could be a coincidence in the band.
+
+    Every mixture ``v_j + t v_k`` vanishes where both columns do; it is told apart from ``v_j``
+    only by the rows ``D`` that are zero in ``v_j`` and not in ``v_k``. Inside a zero band of
+    relative width ``zero_rtol`` a mixture can meet ``|D|`` such rows by chance: one by its free
+    coefficient ``t``, each further row ``r`` with probability about
+    ``zero_rtol max|v_j| / (2 w |v_k(r)|)``, where ``w`` (the median ``|v_j / v_k|`` over the rows
+    both columns use) measures how the rows' crossing points ``t_r = -v_j(r) / v_k(r)`` spread.
+    Over the ``C(N, |D|)`` choices of rows the expected number of such coincidences must stay
+    below ``SPURIOUS_PIN_RATE``. In float64 (band 1e-9) two distinguishing rows suffice; in
+    float32 (band 1e-4) they do not: two samples 1e-2 apart sharing one pattern yielded a
+    mixture vanishing on two extra rows to 1e-7, pinned, that put a sample 3e-2 off.
+
+    Args:
+        values: (b, rows) the columns ``L q`` (one per row of this tensor).
+        zero: (b, rows) their zero masks (``<= zero_rtol``).
+    """
+    Z = zero.to(values.dtype)
+    shared = Z @ Z.T
+    distinguishing = Z.sum(dim=1, keepdim=True) - shared  # [j, k] = |Z_j minus Z_k|
+    candidates = (distinguishing <= COINCIDENCE_ROWS).fill_diagonal_(False)
+    pairs = []
+    for j, k in candidates.nonzero().tolist():
+        if _expected_coincidences(values[j], values[k], zero[j], zero[k], zero_rtol) > SPURIOUS_PIN_RATE:
+            pairs.append((min(j, k), max(j, k)))
+    return sorted(set(pairs))
+
+
+def _expected_coincidences(
+    own: torch.Tensor, other: torch.Tensor, own_zero: torch.Tensor, other_zero: torch.Tensor, zero_rtol: float
+) -> float:
+    """Expected number of row sets like ``own``'s distinguishing rows that a mixture of the two
+    columns meets by chance (see :func:`coincidental_pairs`)."""
+    rows = own_zero & ~other_zero
+    d = int(rows.sum())
+    if d <= 1:
+        return math.inf  # the same zero set, or one row the free coefficient meets anyway
+    both = ~own_zero & ~other_zero
+    if not bool(both.any()):
+        return math.inf
+    spread = float((own[both] / other[both]).abs().median())
+    if spread == 0.0:
+        return math.inf
+    band = zero_rtol * float(own.abs().max())
+    chance = (band / (2.0 * spread * other[rows].abs())).clamp(max=1.0)
+    log_chance = torch.log(chance)
+    log_rows = float(log_chance.sum() - log_chance.max())  # one row is met by the free coefficient
+    n = int((~(own_zero & other_zero)).sum())
+    log_choices = math.lgamma(n + 1) - math.lgamma(d + 1) - math.lgamma(n - d + 1)
+    return math.exp(min(log_choices + log_rows, 700.0))
+
+
 def ambiguous_groups(
     L: torch.Tensor,
     directions: torch.Tensor,
     zero: torch.Tensor,
     certified: torch.Tensor | None = None,
     pinned: torch.Tensor | None = None,
+    zero_rtol: float | None = None,
 ) -> Determinacy:
     """Pinned columns and ambiguous groups of a selection.
 
@@ -180,6 +241,8 @@ def ambiguous_groups(
             peeling's two-layer certificate): they are never part of a group.
         pinned: (b,) bool, when already known (the candidate pool's robustness flags come from
             the same computation); else computed here.
+        zero_rtol: the zero band the masks were taken with; given, pairs whose pins could be
+            coincidences inside it (:func:`coincidental_pairs`) are ambiguous too.
     """
     b = directions.shape[0]
     if pinned is None:
@@ -192,7 +255,10 @@ def ambiguous_groups(
         for j in (~pinned & ~sure).nonzero()[:, 0].tolist():
             sharing = _sharing_kernel(L, directions, zero[j], j)
             groups.append({j, *[k for k in sharing if not bool(sure[k])]})
-    pairs = proportional_pairs(L @ directions.T, zero.T)
+    values = directions @ L.T
+    pairs = proportional_pairs(values.T, zero.T)
+    if zero_rtol is not None:
+        pairs += coincidental_pairs(values, zero, zero_rtol)
     groups += [set(p) for p in pairs if not bool(sure[p[0]] | sure[p[1]])]
     merged = sorted((tuple(sorted(g)) for g in _union(groups)), key=lambda g: g[0])
     for g in merged:
@@ -205,7 +271,8 @@ def ambiguous_groups(
         else:
             reasons.append(
                 f"samples {list(g)} share (nearly) one activation pattern: this layer determines only "
-                "their span"
+                "their span (their patterns differ in no row, or only in rows a mixture of them "
+                "can meet by chance inside the zero band)"
             )
     return Determinacy(pinned, tuple(merged), tuple(reasons))
 

@@ -142,7 +142,7 @@ def judge(
     resolvable`); otherwise nothing is pinned."""
     inputs, grad_outputs = assembled
     zero = zero_mask((sparse_factor @ selection.Qbar).T, tol.zero_rtol)
-    determinacy = ambiguous_groups(sparse_factor, selection.Qbar.T, zero, certified, pinned)
+    determinacy = ambiguous_groups(sparse_factor, selection.Qbar.T, zero, certified, pinned, tol.zero_rtol)
     pinned = (determinacy.pinned | certified) & resolvable
     consistent = check.verified and selection.perfect
     cert = _certify_rest(gate, inputs, grad_outputs.T, pinned, known) if consistent else None

@@ -8,6 +8,14 @@ Public API::
     rec.inputs, rec.verified, rec.sigma, rec.stats
 """
 
+import os
+
+# Reproducible MKL: by default its results depend on memory alignment, so the same gradient and
+# seed could give different attacks run to run (float32 cases sit near decision thresholds).
+# MKL reads this when it first computes, so it applies unless the process already ran a BLAS
+# call before importing spear; a user's own MKL_CBWR setting wins.
+os.environ.setdefault("MKL_CBWR", "AUTO")
+
 from spear import fl, theory
 from spear.api import attack_layer, build_options, reconstruct
 from spear.core.result import AttackOptions, AttackStats, ProgressEvent, Reconstruction

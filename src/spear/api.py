@@ -15,7 +15,13 @@ from typing import Any
 import numpy as np
 import torch
 
-from spear.certify import ModelCertifier, check_sparsity_side, model_tail
+from spear.certify import (
+    ModelCertifier,
+    SampleWeights,
+    WeightedCertifier,
+    check_sparsity_side,
+    model_tail,
+)
 from spear.core.certificate import SampleCertifier
 from spear.core.consistency import Tolerances
 from spear.core.proposers import DirectionProposer
@@ -81,6 +87,7 @@ def build_options(options: Mapping[str, Any]) -> AttackOptions:
         "max_proposals": _integer("max_proposals", opts.max_proposals, 0, allow_none=True),
         "chunk_size": _integer("chunk_size", opts.chunk_size, 1),
         "batch_size": _integer("batch_size", opts.batch_size, 1, allow_none=True),
+        "clients": _integer("clients", opts.clients, 1),
         "p_fr": _fraction("p_fr", opts.p_fr),
         "rank_rtol": _fraction("rank_rtol", opts.rank_rtol),
         "zero_rtol": _fraction("zero_rtol", opts.zero_rtol),
@@ -240,6 +247,7 @@ def attack_layer(
     *,
     certify: bool = True,
     loss: str | Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = "cross_entropy",
+    sample_weights: SampleWeights | None = None,
     **options: Any,
 ) -> Reconstruction:
     """Attack one ``nn.Linear`` layer of ``model`` from the gradients the server received.
@@ -256,6 +264,10 @@ def attack_layer(
             model, otherwise the result is verified at the layer level only).
         loss: the client's per-sample loss for that check: "cross_entropy" or a callable
             ``loss(logits, labels) -> per-sample losses``.
+        sample_weights: for protocols that weight each sample on their own (DP-SGD's clipping:
+            ``spear.fl.protocols.ClippedWeights(C)``), ``f(model, inputs, labels) -> (k,)`` the
+            weight of each sample up to the common 1/B; the certificate divides it out
+            (:class:`spear.certify.WeightedCertifier`). Needs ``layer`` to be the model's first.
         **options: as for :func:`reconstruct`.
 
     Returns:
@@ -306,10 +318,24 @@ def attack_layer(
         dtype = source_precision(_as_tensor("gradient", grads[prefix + "weight"]), working)
         rtol = options.get("verify_rtol") or Tolerances.for_dtype(dtype).verify_rtol
         saturation = SATURATION_EPS * torch.finfo(dtype).eps
-        options["certifier"] = ModelCertifier(tail, module.weight, module.bias, rtol, loss, saturation)
+        certifier = ModelCertifier(tail, module.weight, module.bias, rtol, loss, saturation)
+        if sample_weights is not None:
+            _check_first_layer(model, layer, "sample_weights")
+            certifier = WeightedCertifier(certifier, model, sample_weights)
+        options["certifier"] = certifier
     return reconstruct(
         module.weight, module.bias, grads[prefix + "weight"], grads[prefix + "bias"], **options
     )
+
+
+def _check_first_layer(model: torch.nn.Module, layer: str, what: str) -> None:
+    """A clear error unless ``layer`` is the first module that touches the model's input."""
+    leaves = [name for name, mod in model.named_modules() if next(mod.children(), None) is None]
+    if not leaves or leaves[0] != layer:
+        raise InputError(
+            f"{what} needs the model's inputs, so it applies to the first layer only ({leaves[:1]}); "
+            f"layer {layer!r} sees hidden activations"
+        )
 
 
 def _next_linear(

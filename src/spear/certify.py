@@ -25,6 +25,7 @@ coupling (no batch-norm statistics, no dropout: it runs in eval mode).
 from __future__ import annotations
 
 import copy
+import dataclasses
 from collections.abc import Callable
 
 import torch
@@ -217,3 +218,35 @@ class ModelCertifier:
             out.weights[part] = torch.where(ok, weight.gather(1, label[:, None])[:, 0], torch.nan)
             out.misfit[part] = best
         return out
+
+
+SampleWeights = Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+class WeightedCertifier:
+    """The model certificate for updates whose protocol weights each sample on its own, such as
+    DP-SGD's per-sample clipping (:class:`spear.fl.protocols.ClippedWeights`).
+
+    A certified sample's fitted loss weight is ``f_j / B`` instead of ``1 / B``; the server knows
+    the rule behind ``f_j`` (the clipping norm it configured), so it recomputes ``f_j`` from the
+    recovered sample and label and divides it out before the reduction check
+    (:func:`spear.core.certificate.infer_reduction`), which then sees ``1 / B`` again. A wrong
+    sample or label gives a wrong ``f_j`` and fails that check. The samples must be the model's
+    inputs (the attacked layer is its first).
+    """
+
+    def __init__(self, inner: ModelCertifier, model: nn.Module, sample_weights: SampleWeights) -> None:
+        self.inner = inner
+        self.model = copy.deepcopy(model).eval()
+        self.sample_weights = sample_weights
+
+    def __call__(self, inputs: torch.Tensor, grad_outputs: torch.Tensor) -> SampleCertificates:
+        cert = self.inner(inputs, grad_outputs)
+        ok = cert.ok.nonzero()[:, 0]
+        if ok.numel() == 0:
+            return cert
+        dtype = next(self.model.parameters()).dtype
+        factors = self.sample_weights(self.model, inputs[ok].to(dtype), cert.labels[ok])
+        weights = cert.weights.clone()
+        weights[ok] = weights[ok] / factors.to(weights)
+        return dataclasses.replace(cert, weights=weights)

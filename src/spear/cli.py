@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -68,50 +69,55 @@ class _ProgressDisplay:
         self.progress.update(self.task, completed=event.proposals, info=info)
 
 
-def _settings(
-    dataset,
-    batch_size,
-    width,
-    depth,
-    seed,
-    device,
-    max_proposals,
-    time_budget,
-    init,
-    pretrain_steps,
-    single_label,
-    p_fr,
-    proposer,
-):
+def _experiment_options(arguments: dict) -> dict:
+    """The command's arguments that are experiment settings."""
+    from spear.experiments import ExperimentSettings
+
+    names = {f.name for f in dataclasses.fields(ExperimentSettings)}
+    return {k: v for k, v in arguments.items() if k in names}
+
+
+def _settings(**options):
+    """Validated experiment settings from the command's options (exits with a clear error)."""
     from spear.core.proposers import PROPOSERS
     from spear.data import DATASETS
     from spear.experiments import ExperimentSettings
+    from spear.experiments.run import DTYPES
 
-    if dataset.lower() not in DATASETS:
+    dataset, batch_size, width = options["dataset"].lower(), options["batch_size"], options["width"]
+    if dataset not in DATASETS:
         _fail(f"unknown data set {dataset!r}; choose one of {', '.join(sorted(DATASETS))}")
     if batch_size < 1:
         _fail("--batch-size must be >= 1")
-    if batch_size >= width:
-        _fail(f"--batch-size {batch_size} must be smaller than --width {width}: SPEAR needs b < m")
-    if depth < 2:
+    total = batch_size * options.get("clients", 1)
+    if total >= width:
+        what = f"the {total} samples of all clients" if total != batch_size else f"--batch-size {batch_size}"
+        _fail(f"{what} must be smaller than --width {width}: SPEAR needs b < m")
+    if options["depth"] < 2:
         _fail("--depth must be >= 2")
-    if proposer not in PROPOSERS:
-        _fail(f"unknown proposer {proposer!r}; choose one of {', '.join(sorted(PROPOSERS))}")
-    return ExperimentSettings(
-        dataset=dataset.lower(),
-        batch_size=batch_size,
-        width=width,
-        depth=depth,
-        seed=seed,
-        init=init,
-        pretrain_steps=pretrain_steps,
-        single_label=single_label,
-        max_proposals=max_proposals,
-        time_budget=time_budget,
-        p_fr=p_fr,
-        device=device,
-        proposer=proposer,
-    )
+    if options["proposer"] not in PROPOSERS:
+        _fail(f"unknown proposer {options['proposer']!r}; choose one of {', '.join(sorted(PROPOSERS))}")
+    dp_given = options.get("dp_noise_multiplier") is not None or options.get("dp_max_grad_norm") is not None
+    protocol = options.get("protocol") or ("dpsgd" if dp_given else "fedsgd")
+    if dp_given and protocol != "dpsgd":
+        _fail(f"--dp-noise-multiplier / --dp-max-grad-norm apply to DP-SGD, not --protocol {protocol}")
+    options["protocol"] = protocol
+    realistic = protocol != "fedsgd" or options.get("clients", 1) > 1
+    options["dtype"] = options.get("dtype") or ("float32" if realistic else "float64")
+    if options["dtype"] not in DTYPES:
+        _fail(f"unknown --dtype {options['dtype']!r}; choose one of {', '.join(DTYPES)}")
+    for key, default in (("dp_noise_multiplier", 0.0), ("dp_max_grad_norm", 1.0)):
+        if options.get(key) is None:
+            options[key] = default
+    options["dataset"] = dataset
+    settings = ExperimentSettings(**options)
+    try:
+        settings.make_protocol().check_batch(batch_size)
+    except SpearError as exc:
+        _fail(str(exc))
+    if options.get("clients", 1) < 1:
+        _fail("--clients must be >= 1")
+    return settings
 
 
 def _fmt(value, digits=4) -> str:
@@ -139,6 +145,27 @@ PfrOpt = Annotated[float, typer.Option(help="false-rejection rate p_fr (sets tau
 ProposerOpt = Annotated[
     str, typer.Option(help="direction proposer: auto, sampling, irls, guided, neurons, next_layer")
 ]
+DtypeOpt = Annotated[
+    str | None,
+    typer.Option(
+        help="client precision: float32 or float64 (default: float32 for fedavg, dpsgd and --clients)"
+    ),
+]
+ProtocolOpt = Annotated[
+    str | None, typer.Option(help="what the client sends: fedsgd (default), fedavg, dpsgd")
+]
+EpochsOpt = Annotated[int, typer.Option(help="FedAvg: local epochs E")]
+LocalBatchOpt = Annotated[
+    int | None, typer.Option(help="FedAvg: local mini-batch size (default: the whole batch)")
+]
+LocalLrOpt = Annotated[float, typer.Option(help="FedAvg: local SGD learning rate")]
+NoiseOpt = Annotated[
+    float | None, typer.Option(help="DP-SGD (Opacus): noise multiplier sigma (0: clipping only)")
+]
+ClipOpt = Annotated[float | None, typer.Option(help="DP-SGD (Opacus): per-sample clipping norm C")]
+ClientsOpt = Annotated[
+    int, typer.Option(help="secure aggregation: the server sees the sum of K clients' updates")
+]
 
 
 @app.command()
@@ -156,6 +183,14 @@ def attack(
     single_label: SingleOpt = False,
     p_fr: PfrOpt = 1e-5,
     proposer: ProposerOpt = "auto",
+    dtype: DtypeOpt = None,
+    protocol: ProtocolOpt = None,
+    local_epochs: EpochsOpt = 1,
+    local_batch_size: LocalBatchOpt = None,
+    local_lr: LocalLrOpt = 0.1,
+    dp_noise_multiplier: NoiseOpt = None,
+    dp_max_grad_norm: ClipOpt = None,
+    clients: ClientsOpt = 1,
     out: Annotated[Path | None, typer.Option(help="write result.json, grid.png, per_sample.csv here")] = None,
     json_output: Annotated[bool, typer.Option("--json", help="print the result as JSON on stdout")] = False,
 ) -> None:
@@ -164,21 +199,7 @@ def attack(
     from spear.experiments import run_experiment, write_result_dir
     from spear.experiments.report import json_safe
 
-    settings = _settings(
-        dataset,
-        batch_size,
-        width,
-        depth,
-        seed,
-        device,
-        max_proposals,
-        time_budget,
-        init,
-        pretrain_steps,
-        single_label,
-        p_fr,
-        proposer,
-    )
+    settings = _settings(**_experiment_options(locals()))
     console = Console(stderr=json_output)
     try:
         with _ProgressDisplay(console) as display:
@@ -238,6 +259,14 @@ def evaluate(
     single_label: SingleOpt = False,
     p_fr: PfrOpt = 1e-5,
     proposer: ProposerOpt = "auto",
+    dtype: DtypeOpt = None,
+    protocol: ProtocolOpt = None,
+    local_epochs: EpochsOpt = 1,
+    local_batch_size: LocalBatchOpt = None,
+    local_lr: LocalLrOpt = 0.1,
+    dp_noise_multiplier: NoiseOpt = None,
+    dp_max_grad_norm: ClipOpt = None,
+    clients: ClientsOpt = 1,
     json_output: Annotated[bool, typer.Option("--json", help="print the summary as JSON")] = False,
 ) -> None:
     """Attack K batches (seeds seed..seed+K-1) and report paper Table 1: mean and 95% CI of each
@@ -248,21 +277,7 @@ def evaluate(
 
     if batches < 1:
         _fail("--batches must be >= 1")
-    settings = _settings(
-        dataset,
-        batch_size,
-        width,
-        depth,
-        seed,
-        device,
-        max_proposals,
-        time_budget,
-        init,
-        pretrain_steps,
-        single_label,
-        p_fr,
-        proposer,
-    )
+    settings = _settings(**_experiment_options(locals()))
     console = Console(stderr=json_output)
 
     def report(i: int, record: dict) -> None:

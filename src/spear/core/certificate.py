@@ -97,6 +97,9 @@ class BatchReduction:
     multiplicities: torch.Tensor | None
     batch_size: int | None
     missing: int | None = None
+    #: secure aggregation: each sample's client batch size (read off its weight 1/B_k), None
+    #: for a single client
+    client_sizes: torch.Tensor | None = None
 
 
 #: a batch size read off a mean is accepted within this distance of an integer
@@ -129,3 +132,35 @@ def infer_reduction(weights: torch.Tensor, rtol: float = WEIGHT_RTOL) -> BatchRe
     if bool(((w - w.round()).abs() <= rtol * w).all()) and bool((w.round() >= 1).all()):
         return BatchReduction("sum", w.round().long(), None, None)
     return none
+
+
+def infer_aggregate(weights: torch.Tensor, clients: int, rtol: float = WEIGHT_RTOL) -> BatchReduction:
+    """The reduction of a sum of ``clients`` clients' mean losses (secure aggregation): sample j
+    of a client with B_k samples has weight ``1 / B_k``.
+
+    Each weight must be the inverse of an integer; the samples with weight ``1/B`` need at least
+    ``ceil(n_B / B)`` clients, and all of them together at most ``clients``. ``missing`` counts
+    the samples those clients hold beyond the recovered ones (they left no trace in the layer);
+    it is None when fewer clients than ``clients`` are seen (a client's whole batch may be
+    invisible). Exact duplicates inside one client (weight ``2/B``) read as a client of ``B/2``
+    samples: with equal client sizes the client count then exceeds ``clients`` and nothing fits.
+    """
+    none = BatchReduction(None, None, None)
+    w = weights.detach().double().cpu()
+    if w.numel() == 0 or not bool(torch.isfinite(w).all()) or bool((w <= 0).any()):
+        return none
+    sizes = 1.0 / w
+    whole = sizes.round()
+    if not bool(((sizes - whole).abs() <= rtol * sizes).all()) or bool((whole < 1).any()):
+        return none
+    needed, held = 0, 0
+    for size in whole.unique().tolist():
+        count = int((whole == size).sum())
+        groups = -(-count // int(size))
+        needed += groups
+        held += groups * int(size)
+    if needed > clients:
+        return none
+    missing = held - w.numel() if needed == clients else None
+    ones = torch.ones(w.numel(), dtype=torch.long)
+    return BatchReduction("mean", ones, None, missing, whole.long())

@@ -294,6 +294,7 @@ class _Attack:
         self.adapted = False  # the filter's threshold was (or will not be) adapted
         self.trusted_seen, self.last_progress = 0, 0  # for _check_stall
         self.resolvable = setup.resolvable
+        self._offered: Selection | None = None  # the last selection shown to stop_when
         self.notes: list[str] = []
 
     # --- one step ---------------------------------------------------------------------------
@@ -465,7 +466,8 @@ class _Attack:
         certified, index = self._certified_as_assembled(selection, certified, assembled[0])
         known = self._peeled_certificates(selection.Qbar.shape[1], certified, index)
         tol, gate, ok = self.setup.tol, self.gate, self.resolvable
-        return judge(selection, factor, certified, assembled, check, tol, gate, ok, known, robust)
+        clients = self.setup.options.clients
+        return judge(selection, factor, certified, assembled, check, tol, gate, ok, known, robust, clients)
 
     def _certified_as_assembled(
         self, selection: Selection, certified: torch.Tensor, inputs: torch.Tensor
@@ -589,6 +591,16 @@ class _Attack:
             )
         )
 
+    def _accepted_outside(self) -> bool:
+        """Whether ``stop_when`` accepts a new best selection that is not perfect."""
+        check = self.setup.options.stop_when
+        best = self.best
+        if check is None or best is None or best.perfect or best is self._offered:
+            return False
+        self._offered = best
+        (inputs, grad_outputs), _ = self.setup.assemble_and_check(best)
+        return bool(check(inputs, grad_outputs))
+
     def run(self) -> Reconstruction:
         opts = self.setup.options
         reason = "budget"
@@ -602,6 +614,9 @@ class _Attack:
                 self._progress()
                 if self.best is not None and self.best.perfect and opts.early_stop:
                     reason = "sigma=1"
+                    break
+                if self._accepted_outside():
+                    reason = "accepted"
                     break
                 if batch.exhausted:
                     reason = "exhausted"

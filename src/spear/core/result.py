@@ -57,6 +57,12 @@ class AttackOptions:
             paper's Algorithm 1), "irls", "guided", "neurons", "next_layer" (one strategy only).
         peel: recover samples one at a time through the next layer's weight gradient, when it
             is given, and continue on the residual problem of the others (:mod:`spear.core.peeling`).
+        clients: the gradient is the sum of this many clients' updates (secure aggregation):
+            the model certificate then expects each sample's weight to be ``1/B_k`` of its own
+            client's batch (:func:`spear.core.certificate.infer_aggregate`).
+        stop_when: an outside check of a complete batch whose sigma is below 1 (e.g. FedAvg's
+            replay, :mod:`spear.fl.replay`): called with the inputs (b, n) and dL/dZ (m, b) of
+            each new best selection; when it returns True the attack stops ("accepted").
         progress: called with a :class:`ProgressEvent` after every step.
     """
 
@@ -76,6 +82,8 @@ class AttackOptions:
     verify_rtol: float | None = None
     proposer: DirectionProposer | str = "auto"
     peel: bool = True
+    clients: int = 1
+    stop_when: Callable[[torch.Tensor, torch.Tensor], bool] | None = field(default=None, compare=False)
     progress: Callable[[ProgressEvent], None] | None = field(default=None, compare=False)
 
 
@@ -86,7 +94,7 @@ class AttackStats:
     seconds: float
     seed: int
     proposer: str
-    stop_reason: str  # "sigma=1", "budget", "time budget", "interrupted", "exhausted", "trivial"
+    stop_reason: str  # "sigma=1", "accepted", "budget", "time budget", "interrupted", "exhausted", "trivial"
     threshold_count: int
     tau: float
     certified: int = 0  # samples peeled and certified one by one (core.peeling)

@@ -27,6 +27,7 @@ from spear.core.certificate import (
     BatchReduction,
     SampleCertificates,
     SampleCertifier,
+    infer_aggregate,
     infer_reduction,
 )
 from spear.core.consistency import Determinacy, Tolerances, ambiguous_groups
@@ -133,13 +134,15 @@ def judge(
     resolvable: bool,
     known: SampleCertificates | None = None,
     pinned: torch.Tensor | None = None,
+    clients: int = 1,
 ) -> Verdict:
     """The verdict on ``selection`` (whose columns ``certified`` were peeled and certified one
     by one), given its assembled inputs and full-width dL/dZ and their gradient check.
     ``known`` holds model certificates already issued for some columns (where ``ok``): only
     the others are checked again; ``pinned`` the columns' pins when the pool knows them.
     ``resolvable``: the batch's zero sets can be trusted (:func:`spear.core.consistency.
-    resolvable`); otherwise nothing is pinned."""
+    resolvable`); otherwise nothing is pinned. ``clients`` > 1: the gradient sums that many
+    clients' mean losses (secure aggregation)."""
     inputs, grad_outputs = assembled
     zero = zero_mask((sparse_factor @ selection.Qbar).T, tol.zero_rtol)
     determinacy = ambiguous_groups(sparse_factor, selection.Qbar.T, zero, certified, pinned, tol.zero_rtol)
@@ -150,7 +153,7 @@ def judge(
         inputs, grad_outputs, check, consistent, determinacy, cert, BatchReduction(None, None, None), None, []
     )
     if cert is not None:
-        _judge_by_model(verdict, cert, pinned, tol, gate.trusted)
+        _judge_by_model(verdict, cert, pinned, tol, gate.trusted, clients)
     elif not gate.active and consistent:
         if not resolvable:
             verdict.problems.append(UNRESOLVABLE)
@@ -198,6 +201,7 @@ def _judge_by_model(
     pinned: torch.Tensor,
     tol: Tolerances,
     gate_trusted: bool,
+    clients: int = 1,
 ) -> None:
     """Model level: every sample certified, by a discriminative fit or a pinned zero set, none
     saturated, with one sample's weight each, fitting a mean or a sum."""
@@ -224,13 +228,21 @@ def _judge_by_model(
             "as with two classes), which mixtures of samples sharing a pattern pass too, and this "
             "layer does not pin them"
         )
-    reduction = infer_reduction(cert.weights, WEIGHT_PRECISION * tol.verify_rtol)
+    precision = WEIGHT_PRECISION * tol.verify_rtol
+    if clients > 1:
+        reduction = infer_aggregate(cert.weights, clients, precision)
+    else:
+        reduction = infer_reduction(cert.weights, precision)
     verdict.reduction = reduction
     if reduction.reduction is None:
+        expected = (
+            f"1/B_k of each sample's own client, over {clients} clients"
+            if clients > 1
+            else "a mean (k/B per sample) nor a sum (integers)"
+        )
         verdict.problems.append(
-            "the fitted loss weights fit neither a mean (k/B per sample) nor a sum (integers): "
-            "a mixture of samples, or a loss the certificate does not model (class weights, a scaled "
-            "update)"
+            f"the fitted loss weights fit neither {expected}: a mixture of samples, or a loss the "
+            "certificate does not model (class weights, a scaled update)"
         )
     elif reduction.multiplicities is not None and bool((reduction.multiplicities > 1).any()):
         shared = (reduction.multiplicities > 1).nonzero()[:, 0].tolist()
@@ -242,12 +254,28 @@ def _judge_by_model(
         )
     if not verdict.problems:
         verdict.verified_by = "model"
+        if reduction.client_sizes is not None:
+            verdict.notes.append(aggregate_note(reduction.client_sizes, clients))
         if not bool(cert.strong.all()):
             signs = (~cert.strong).nonzero()[:, 0].tolist()
             verdict.notes.append(
                 f"the labels of sample(s) {signs} rest on the sign of their gradient (two classes): "
                 "they assume the loss is plain cross-entropy"
             )
+
+
+def aggregate_note(client_sizes: torch.Tensor, clients: int) -> str:
+    """What secure aggregation leaves of the samples' provenance."""
+    sizes = sorted({int(v) for v in client_sizes.tolist()})
+    if len(sizes) == 1:
+        return (
+            f"secure aggregation over {clients} clients: every sample carries 1/{sizes[0]}, so the "
+            "clients all hold that many samples and which client each sample came from is not "
+            "determined by the update"
+        )
+    groups = {size: (client_sizes == size).nonzero()[:, 0].tolist() for size in sizes}
+    listed = "; ".join(f"samples {idx} from client(s) of {size}" for size, idx in groups.items())
+    return f"secure aggregation over {clients} clients, told apart by their batch sizes: {listed}"
 
 
 def _certify_rest(

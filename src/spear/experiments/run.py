@@ -16,7 +16,8 @@ import torch
 
 import spear
 from spear.data import load_dataset
-from spear.fl import fully_connected, pretrain, simulate_fedsgd
+from spear.errors import InputError
+from spear.fl import Protocol, fully_connected, make_protocol, pretrain, simulate_round
 from spear.metrics import batch_exact, evaluate_batch, match_samples
 
 
@@ -38,6 +39,33 @@ class ExperimentSettings:
     p_fr: float = 1e-5
     device: str = "cpu"
     proposer: str = "auto"
+    #: the client's precision; "float32" is what deployments send
+    dtype: str = "float64"
+    #: what the client sends (spear.fl.protocols): "fedsgd", "fedavg" or "dpsgd"
+    protocol: str = "fedsgd"
+    local_epochs: int = 1
+    local_batch_size: int | None = None
+    local_lr: float = 0.1
+    dp_noise_multiplier: float = 0.0
+    dp_max_grad_norm: float = 1.0
+    #: secure aggregation: the server sees the sum of this many clients' updates
+    clients: int = 1
+
+    def make_protocol(self) -> Protocol:
+        """The protocol these settings describe."""
+        if self.protocol == "fedavg":
+            options = {"epochs": self.local_epochs, "batch_size": self.local_batch_size, "lr": self.local_lr}
+        elif self.protocol == "dpsgd":
+            options = {"noise_multiplier": self.dp_noise_multiplier, "max_grad_norm": self.dp_max_grad_norm}
+        else:
+            options = {}
+        return make_protocol(self.protocol, **options)
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        if self.dtype not in DTYPES:
+            raise InputError(f"unknown dtype {self.dtype!r}; choose one of {', '.join(DTYPES)}")
+        return DTYPES[self.dtype]
 
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -46,6 +74,14 @@ class ExperimentSettings:
         """Identifies the configuration regardless of seed (batches of one evaluation share it)."""
         fields = {k: v for k, v in self.as_dict().items() if k != "seed"}
         return hashlib.sha1(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:12]
+
+
+#: the client precisions the experiments simulate
+DTYPES = {"float64": torch.float64, "float32": torch.float32}
+#: a sample counts as exact when every pixel is within this (image scale [0, 1]) of the truth:
+#: float64 clients to 1e-6; float32 clients' own rounding limits recovery to ~1e-5 relative,
+#: so 1e-4 (still 40x finer than an 8-bit image's grid)
+EXACT_ATOL = {torch.float64: 1e-6, torch.float32: 1e-4}
 
 
 @dataclass
@@ -61,13 +97,13 @@ def versions() -> dict[str, str]:
     return out
 
 
-def _exact_certified(dataset, certified: torch.Tensor | None, truth: torch.Tensor) -> int:
-    """How many individually certified samples equal a true one (every pixel within 1e-6)."""
+def _exact_certified(dataset, certified: torch.Tensor | None, truth: torch.Tensor, atol: float) -> int:
+    """How many individually certified samples equal a true one (every pixel within ``atol``)."""
     if certified is None:
         return 0
     estimate = dataset.denormalize(certified.cpu().to(truth.dtype)).clamp(0, 1).reshape(-1, *truth.shape[1:])
     est, ref = match_samples(estimate, truth)
-    return int(batch_exact(estimate[est], truth[ref]).sum())
+    return int(batch_exact(estimate[est], truth[ref], atol).sum())
 
 
 def label_accuracy(
@@ -82,8 +118,11 @@ def label_accuracy(
 
 
 def run_experiment(settings: ExperimentSettings, progress=None) -> ExperimentResult:
-    """Simulate one FedSGD client, attack its first layer, evaluate against its batch."""
+    """Simulate one FL round (the settings' protocol, precision and number of clients), attack
+    the first layer from the server's view, evaluate against the clients' batches."""
     dataset = load_dataset(settings.dataset)
+    protocol = settings.make_protocol()
+    dtype = settings.torch_dtype
     model = fully_connected(
         dataset.features,
         settings.width,
@@ -91,11 +130,18 @@ def run_experiment(settings: ExperimentSettings, progress=None) -> ExperimentRes
         dataset.classes,
         init=settings.init,
         seed=settings.seed,
+        dtype=dtype,
     )
     if settings.pretrain_steps:
         pretrain(model, dataset, settings.pretrain_steps, seed=settings.seed)
-    view, secret = simulate_fedsgd(
-        model, dataset, settings.batch_size, settings.seed, single_label=settings.single_label
+    view, secret = simulate_round(
+        model,
+        dataset,
+        settings.batch_size,
+        protocol,
+        settings.seed,
+        clients=settings.clients,
+        single_label=settings.single_label,
     )
     # --- the attacker's side: the server's view only ---
     rec = spear.attack_layer(
@@ -109,12 +155,15 @@ def run_experiment(settings: ExperimentSettings, progress=None) -> ExperimentRes
         device=settings.device,
         progress=progress,
         proposer=settings.proposer,
+        clients=settings.clients,
+        **protocol.attack_options(view.model, view.gradients),
     )
+    rec = protocol.certify(view.model, view.gradients, rec)
     # --- evaluation: ground truth meets the result ---
     truth = secret.images
     if rec.inputs is not None and rec.inputs.shape[0] == truth.shape[0]:
         estimate = dataset.denormalize(rec.inputs.cpu().to(truth.dtype)).clamp(0, 1)
-        evaluation = evaluate_batch(estimate, truth)
+        evaluation = evaluate_batch(estimate, truth, exact_atol=EXACT_ATOL[dtype])
         metrics = evaluation.as_dict()
         metrics["metrics"]["label_accuracy"] = label_accuracy(estimate, rec.labels, truth, secret.labels)
         matched = evaluation.matched_estimates
@@ -130,7 +179,7 @@ def run_experiment(settings: ExperimentSettings, progress=None) -> ExperimentRes
                 "label_accuracy": nan,
             },
             # the batch was not recovered, but samples peeled one by one may have been
-            "exact_samples": _exact_certified(dataset, rec.certified_inputs, truth),
+            "exact_samples": _exact_certified(dataset, rec.certified_inputs, truth, EXACT_ATOL[dtype]),
             "batch_size": truth.shape[0],
             "per_sample": {},
         }
@@ -138,6 +187,7 @@ def run_experiment(settings: ExperimentSettings, progress=None) -> ExperimentRes
     record = {
         "settings": settings.as_dict(),
         "settings_key": settings.key(),
+        "protocol": view.metadata,
         "dataset_note": dataset.note,
         **metrics,
         "verified": rec.verified,

@@ -11,19 +11,28 @@ from spear.fl.client import (
     layer_inputs,
     pretrain,
     simulate_fedsgd,
+    simulate_round,
 )
 from spear.fl.models import INITS, feature_layer, fully_connected, shallow_mlp, small_cnn
+from spear.fl.protocols import DPSGD, PROTOCOLS, FedAvg, FedSGD, Protocol, make_protocol
 
 __all__ = [
+    "DPSGD",
     "INITS",
+    "PROTOCOLS",
     "ClientBatch",
+    "FedAvg",
+    "FedSGD",
+    "Protocol",
     "ServerView",
     "feature_layer",
     "fedsgd_gradients",
     "fully_connected",
     "layer_inputs",
+    "make_protocol",
     "pretrain",
     "shallow_mlp",
     "simulate_fedsgd",
+    "simulate_round",
     "small_cnn",
 ]

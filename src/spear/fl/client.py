@@ -11,6 +11,7 @@ from torch import nn
 
 from spear.data.base import ImageDataset, sample_batch
 from spear.errors import InputError
+from spear.fl.protocols.base import Protocol
 
 
 @dataclass
@@ -31,6 +32,7 @@ class ClientBatch:
     images: torch.Tensor  # (b, C, H, W) in [0, 1]
     inputs: torch.Tensor  # (b, n) normalized, flattened: what the first layer saw
     labels: torch.Tensor
+    clients: torch.Tensor | None = None  # (b,) which client held each sample (secure aggregation)
 
 
 def fedsgd_gradients(model: nn.Module, inputs: torch.Tensor, labels: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -114,10 +116,46 @@ def simulate_fedsgd(
     many FL code bases and the LT-code paper's setting) instead of standardized ones.
     Returns the server's view (a copy of the model and the gradients) and the private batch.
     """
+    return simulate_round(
+        model, dataset, batch_size, seed=seed, single_label=single_label, normalize=normalize
+    )
+
+
+def simulate_round(
+    model: nn.Module,
+    dataset: ImageDataset,
+    batch_size: int,
+    protocol: Protocol | None = None,
+    seed: int = 0,
+    *,
+    clients: int = 1,
+    single_label: bool = False,
+    normalize: bool = True,
+) -> tuple[ServerView, ClientBatch]:
+    """One FL round: ``clients`` clients each draw ``batch_size`` samples (disjoint), run
+    ``protocol`` (default FedSGD) in the model's dtype, and the server receives their updates.
+
+    With ``clients > 1`` the server sees only the **sum** of the updates, as under secure
+    aggregation: one batch of ``clients * batch_size`` samples in which each client's part
+    carries its own ``1 / batch_size`` (Bonawitz et al. 2017). Returns the server's view and the
+    private batches (concatenated, with each sample's client in ``ClientBatch.clients``).
+    """
+    from spear.fl.protocols import FedSGD
+
+    protocol = protocol or FedSGD()
+    if clients < 1:
+        raise InputError(f"the number of clients must be >= 1 (got {clients})")
+    protocol.check_batch(batch_size)
     _check_input_size(model, dataset)
     dtype = next(model.parameters()).dtype
-    images, labels = sample_batch(dataset, batch_size, seed, single_label=single_label)
+    images, labels = sample_batch(dataset, batch_size * clients, seed, single_label=single_label)
     inputs = (dataset.normalize(images) if normalize else images.flatten(1)).to(dtype)
-    grads = fedsgd_gradients(model, inputs, labels)
-    view = ServerView(copy.deepcopy(model), grads, "fedsgd", {"dataset": dataset.name})
-    return view, ClientBatch(images, inputs, labels)
+    owner = torch.arange(clients).repeat_interleave(batch_size)
+    total: dict[str, torch.Tensor] = {}
+    for k in range(clients):
+        part = owner == k
+        update = protocol.client_update(model, inputs[part], labels[part], seed=seed * 1_000 + k)
+        total = update if not total else {name: total[name] + update[name] for name in total}
+    metadata = {"dataset": dataset.name, **protocol.settings(), "clients": clients}
+    view = ServerView(copy.deepcopy(model), total, protocol.name, metadata)
+    return view, ClientBatch(images, inputs, labels, owner if clients > 1 else None)

@@ -1,0 +1,254 @@
+"""What real deployments send: float32 clients, FedAvg through Flower, DP-SGD through Opacus and
+secure aggregation, each attacked from the server's view and certified (issue #11)."""
+
+import dataclasses
+import json
+
+import pytest
+import torch
+from flwr.common import ndarrays_to_parameters
+from tests.conftest import assert_exact
+from typer.testing import CliRunner
+
+import spear
+from spear.cli import app
+from spear.core.certificate import infer_aggregate
+from spear.data import load_dataset, sample_batch
+from spear.errors import InputError
+from spear.fl import DPSGD, FedAvg, FedSGD, fully_connected, simulate_fedsgd, simulate_round
+from spear.fl.flower import AuditingFedAvg, LocalTrainingClient, run_fit_rounds
+from spear.fl.protocols import ClippedWeights
+from spear.fl.protocols.dpsgd import OPACUS_NORM_EPS
+
+
+@pytest.fixture(scope="module")
+def mnist():
+    return load_dataset("mnist")
+
+
+def attack(view, protocol, **options):
+    """The server's side: attack the first layer with what the protocol tells it, then certify."""
+    opts = {"max_proposals": 300_000, **protocol.attack_options(view.model, view.gradients), **options}
+    rec = spear.attack_layer(view.model, "0", view.gradients, **opts)
+    return protocol.certify(view.model, view.gradients, rec)
+
+
+def same_labels(rec, truth, atol):
+    from spear.metrics import match_samples
+
+    est, ref = match_samples(rec.inputs.double(), truth.inputs.double())
+    assert torch.allclose(rec.inputs.double()[est], truth.inputs.double()[ref], atol=atol)
+    return bool((rec.labels[est] == truth.labels[ref]).all())
+
+
+# --- FedSGD and float32 ---------------------------------------------------------------------------
+
+
+def test_fedsgd_protocol_is_the_plain_gradient(mnist):
+    model = fully_connected(mnist.features, 100, 3, mnist.classes, seed=1)
+    view, _ = simulate_round(model, mnist, 6, FedSGD(), seed=4)
+    old, _ = simulate_fedsgd(model, mnist, 6, seed=4)
+    for name, grad in old.gradients.items():
+        assert torch.equal(view.gradients[name], grad)
+
+
+def test_float32_client_is_recovered_and_verified(mnist):
+    model = fully_connected(mnist.features, 300, 4, mnist.classes, seed=2, dtype=torch.float32)
+    view, truth = simulate_round(model, mnist, 24, seed=2)
+    assert view.gradients["0.weight"].dtype == torch.float32
+    rec = attack(view, FedSGD())
+    assert rec.verified and rec.verified_by == "model", rec.message
+    assert same_labels(rec, truth, 1e-4)
+
+
+# --- DP-SGD with Opacus ------------------------------------------------------------------------------
+
+
+def reference_dp_update(model, inputs, labels, clip):
+    """Per-sample gradients by a loop, clipped as Opacus does, averaged (no noise)."""
+    params = list(model.parameters())
+    total = [torch.zeros_like(p) for p in params]
+    for x, y in zip(inputs, labels, strict=True):
+        grads = torch.autograd.grad(torch.nn.functional.cross_entropy(model(x[None]), y[None]), params)
+        norm = torch.sqrt(sum(g.pow(2).sum() for g in grads))
+        factor = torch.clamp(clip / (norm + OPACUS_NORM_EPS), max=1.0)
+        total = [t + factor * g for t, g in zip(total, grads, strict=True)]
+    return [t / inputs.shape[0] for t in total]
+
+
+def test_opacus_clipping_matches_a_reference_and_is_certified_exactly(mnist):
+    model = fully_connected(mnist.features, 400, 4, mnist.classes, seed=3)
+    protocol = DPSGD(noise_multiplier=0.0, max_grad_norm=0.3)
+    view, truth = simulate_round(model, mnist, 16, protocol, seed=3)
+    reference = reference_dp_update(model, truth.inputs, truth.labels, 0.3)
+    for (name, _), expected in zip(model.named_parameters(), reference, strict=True):
+        torch.testing.assert_close(view.gradients[name], expected, rtol=1e-10, atol=1e-14)
+    factors = ClippedWeights(0.3)(model, truth.inputs, truth.labels)
+    assert float(factors.max()) < 1.0  # every sample was clipped, by its own factor
+    rec = attack(view, protocol)
+    assert rec.verified and rec.verified_by == "model", rec.message
+    assert_exact(rec.inputs, truth.inputs)
+    assert same_labels(rec, truth, 1e-9)
+    # the certificate checks the clipping: without the server's C the weights fit no mean
+    plain = spear.attack_layer(view.model, "0", view.gradients, max_proposals=300_000)
+    assert not plain.verified and "fit neither" in plain.message
+
+
+def test_dp_noise_is_seeded_and_epsilon_falls_with_more_noise(mnist):
+    model = fully_connected(mnist.features, 100, 3, mnist.classes, seed=5)
+    noisy = DPSGD(noise_multiplier=1.0, max_grad_norm=1.0)
+    first, _ = simulate_round(model, mnist, 8, noisy, seed=5)
+    again, _ = simulate_round(model, mnist, 8, noisy, seed=5)
+    clean, _ = simulate_round(model, mnist, 8, DPSGD(0.0, 1.0), seed=5)
+    assert torch.equal(first.gradients["0.weight"], again.gradients["0.weight"])
+    assert not torch.allclose(first.gradients["0.weight"], clean.gradients["0.weight"])
+    eps = [DPSGD(s, 1.0).epsilon() for s in (0.5, 1.0, 2.0)]
+    assert eps[0] > eps[1] > eps[2] > 0 and DPSGD(0.0, 1.0).epsilon() == float("inf")
+    assert first.metadata["dp_epsilon"] == pytest.approx(eps[1])
+
+
+# --- secure aggregation --------------------------------------------------------------------------
+
+
+def test_secure_aggregation_recovers_every_clients_batch(mnist):
+    model = fully_connected(mnist.features, 300, 4, mnist.classes, seed=6)
+    view, truth = simulate_round(model, mnist, 6, seed=6, clients=3)
+    assert truth.inputs.shape[0] == 18 and truth.clients.tolist() == [0] * 6 + [1] * 6 + [2] * 6
+    rec = attack(view, FedSGD(), clients=3)
+    assert rec.verified and rec.verified_by == "model", rec.message
+    assert_exact(rec.inputs, truth.inputs)
+    assert any("not determined" in note for note in rec.notes)  # equal sizes: no provenance
+    # read as one client, the weights 1/6 over 18 samples fit no mean
+    single = attack(view, FedSGD(), clients=1)
+    assert not single.verified
+
+
+def test_aggregate_weights_tell_clients_apart_by_size():
+    weights = torch.tensor([1 / 4] * 4 + [1 / 8] * 8, dtype=torch.float64)
+    reduction = infer_aggregate(weights, clients=2)
+    assert reduction.reduction == "mean" and reduction.missing == 0
+    assert reduction.client_sizes.tolist() == [4] * 4 + [8] * 8
+    assert infer_aggregate(weights, clients=1).reduction is None  # needs two clients
+    assert infer_aggregate(weights[:-1], clients=2).missing == 1  # one sample left no trace
+    assert infer_aggregate(torch.tensor([0.3, 0.3]), clients=2).reduction is None  # 1/0.3 is no size
+
+
+# --- FedAvg through Flower -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("epochs,local_batch", [(3, None), (1, 4)])
+def test_fedavg_update_is_recovered_and_certified_by_replay(mnist, epochs, local_batch):
+    model = fully_connected(mnist.features, 300, 4, mnist.classes, seed=7)
+    protocol = FedAvg(epochs=epochs, batch_size=local_batch, lr=0.1)
+    view, truth = simulate_round(model, mnist, 12, protocol, seed=7)
+    rec = attack(view, protocol)
+    assert rec.verified and rec.verified_by == "replay", rec.message
+    assert rec.stats.stop_reason == "accepted"  # the replay stopped the search
+    assert_exact(rec.inputs, truth.inputs)
+    assert same_labels(rec, truth, 1e-9)
+
+
+def test_fedavg_replay_refuses_what_it_cannot_confirm(mnist):
+    model = fully_connected(mnist.features, 300, 4, mnist.classes, seed=8)
+    protocol = FedAvg(epochs=2, batch_size=None, lr=0.1)
+    view, truth = simulate_round(model, mnist, 10, protocol, seed=8)
+    right = attack(view, protocol)
+    assert right.verified, right.message
+    # the server believes another learning rate (one step would not care; two do): the replay
+    # of the same, exact inputs does not reproduce the update
+    wrong = FedAvg(epochs=2, batch_size=None, lr=0.2)
+    rec = wrong.certify(view.model, view.gradients, dataclasses.replace(right, verified=False))
+    assert_exact(rec.inputs, truth.inputs)
+    assert not rec.verified and "does not equal" in rec.message
+    # several epochs of several steps: the private order is not searched, so nothing is claimed
+    mixed = FedAvg(epochs=2, batch_size=5, lr=0.1)
+    view, truth = simulate_round(model, mnist, 10, mixed, seed=8)
+    rec = spear.attack_layer(view.model, "0", view.gradients, certify=False, max_proposals=100_000)
+    rec = mixed.certify(view.model, view.gradients, rec)
+    assert not rec.verified and "not searched" in rec.message
+
+
+def test_auditing_strategy_records_every_client_and_round(mnist, tmp_path):
+    model = fully_connected(mnist.features, 300, 4, mnist.classes, seed=9)
+    clients = []
+    for k in range(2):
+        images, labels = sample_batch(mnist, 8, seed=20 + k)
+        clients.append(LocalTrainingClient(model, mnist.normalize(images), labels, seed=k))
+    log = tmp_path / "audit.jsonl"
+    strategy = AuditingFedAvg(
+        model,
+        attack_options={"max_proposals": 200_000},
+        keep_inputs=True,
+        log_path=str(log),
+        on_fit_config_fn=lambda r: {"local_epochs": 2, "batch_size": 8, "lr": 0.1},
+        min_fit_clients=2,
+        min_available_clients=2,
+        fraction_evaluate=0.0,
+    )
+    start = ndarrays_to_parameters(clients[0].get_parameters({}))
+    run_fit_rounds(strategy, clients, start, rounds=2)
+    audited = sorted((r.server_round, r.client) for r in strategy.records)  # Flower samples in any order
+    assert audited == [(1, "0"), (1, "1"), (2, "0"), (2, "1")]
+    for record in strategy.records:
+        assert record.verified and record.verified_by == "replay", record.message
+        owner = clients[int(record.client)]
+        assert_exact(record.inputs, owner.inputs)
+    lines = [json.loads(line) for line in log.read_text().splitlines()]
+    assert len(lines) == 4 and "inputs" not in lines[0] and lines[0]["verified"] is True
+
+
+# --- bad settings --------------------------------------------------------------------------------
+
+
+def test_bad_protocol_settings_give_clear_errors(mnist):
+    model = fully_connected(mnist.features, 60, 3, mnist.classes, seed=0)
+    with pytest.raises(InputError, match="at least one local epoch"):
+        FedAvg(epochs=0)
+    with pytest.raises(InputError, match="learning rate"):
+        FedAvg(lr=0.0)
+    with pytest.raises(InputError, match="exceeds the client's 4 samples"):
+        simulate_round(model, mnist, 4, FedAvg(batch_size=8))
+    with pytest.raises(InputError, match="noise multiplier must be >= 0"):
+        DPSGD(noise_multiplier=-1.0)
+    with pytest.raises(InputError, match="clipping norm must be > 0"):
+        DPSGD(max_grad_norm=0.0)
+    with pytest.raises(InputError, match="number of clients"):
+        simulate_round(model, mnist, 4, clients=0)
+
+
+runner = CliRunner()
+
+
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["--protocol", "fedavg", "--local-epochs", "0"], "at least one local epoch"),
+        (["--protocol", "fedavg", "-b", "4", "--local-batch-size", "8"], "exceeds the client's 4"),
+        (["--dp-noise-multiplier", "-1"], "noise multiplier must be >= 0"),
+        (["--clients", "0"], "--clients must be >= 1"),
+        (["--protocol", "gossip"], "unknown protocol"),
+        (["--dtype", "float16"], "unknown --dtype"),
+        (["--protocol", "fedavg", "--dp-max-grad-norm", "1"], "apply to DP-SGD"),
+    ],
+)
+def test_cli_rejects_bad_protocol_settings(args, message):
+    result = runner.invoke(app, ["attack", "--width", "60", "--depth", "3", "-b", "5", *args])
+    assert result.exit_code == 2 and message in result.output, result.output
+    assert "Traceback" not in result.output
+
+
+def test_cli_runs_each_protocol_and_records_its_settings():
+    tiny = ["attack", "--width", "200", "--depth", "3", "--json"]
+    cases = [
+        (["-b", "8", "--protocol", "fedavg", "--local-epochs", "2", "--local-lr", "0.05"], "replay"),
+        (["-b", "8", "--dp-noise-multiplier", "0", "--dp-max-grad-norm", "0.5"], "model"),
+        (["-b", "4", "--clients", "3"], "model"),
+    ]
+    for args, verified_by in cases:
+        result = runner.invoke(app, [*tiny, *args])
+        assert result.exit_code == 0, result.output
+        payload = json.loads(result.stdout[result.stdout.index("{") :])
+        assert payload["verified"] is True and payload["verified_by"] == verified_by, payload["message"]
+        assert payload["metrics"]["accuracy"] == 1.0
+        assert payload["settings"]["dtype"] == "float32"  # realistic protocols default to float32
+        assert payload["protocol"]["protocol"] == payload["settings"]["protocol"]

@@ -252,3 +252,21 @@ def test_cli_runs_each_protocol_and_records_its_settings():
         assert payload["metrics"]["accuracy"] == 1.0
         assert payload["settings"]["dtype"] == "float32"  # realistic protocols default to float32
         assert payload["protocol"]["protocol"] == payload["settings"]["protocol"]
+
+
+def test_dp_noise_gives_a_full_rank_gradient_read_off_its_gap(mnist):
+    # Opacus noise fills the rank; the batch still stands out of it: b comes from the largest
+    # singular-value gap, the zero band follows the noise, and the result says it is noisy
+    model = fully_connected(mnist.features, 300, 4, mnist.classes, seed=10)
+    protocol = DPSGD(noise_multiplier=1e-7, max_grad_norm=1.0)
+    view, truth = simulate_round(model, mnist, 8, protocol, seed=10)
+    assert int(torch.linalg.matrix_rank(view.gradients["0.weight"])) == 300
+    rec = attack(view, protocol)
+    assert rec.batch_size == 8 and any("noisy" in note for note in rec.notes)
+    from spear.metrics import match_samples
+
+    est, ref = match_samples(rec.inputs.double(), truth.inputs.double())
+    error = (rec.inputs[est] - truth.inputs[ref]).abs().amax() / truth.inputs.abs().amax()
+    assert float(error) < 1e-3
+    if rec.verified:
+        assert float(error) < 1e-6

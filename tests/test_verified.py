@@ -604,8 +604,13 @@ def test_working_dtype_float32_and_noisy_gradients_get_the_right_batch_size():
     W, bias, GW, Gb = layer_args(batch)
     g = torch.Generator().manual_seed(0)
     noise = 1e-12 * GW.abs().max() * torch.randn(GW.shape, dtype=GW.dtype, generator=g)
-    with pytest.raises(spear.RankError, match="batch_size=8 may be right"):
-        spear.reconstruct(W, bias, GW + noise, Gb)
+    # full rank from the noise, but the batch stands out: b is read off the singular-value gap
+    noisy = spear.reconstruct(W, bias, GW + noise, Gb)
+    assert noisy.batch_size == 8 and any("noisy" in note for note in noisy.notes)
+    assert noisy.inputs is not None and exact(noisy.inputs, x, 1e-6)
+    buried = 1e-1 * GW.abs().max() * torch.randn(GW.shape, dtype=GW.dtype, generator=g)
+    with pytest.raises(spear.RankError, match="below the 10 a noisy batch needs"):
+        spear.reconstruct(W, bias, GW + buried, Gb)
     with pytest.raises(NoSparsityError, match="batch_size=9 was given but the gradient's numerical rank"):
         spear.reconstruct(*layer_args(batch), batch_size=9)
 

@@ -93,6 +93,20 @@ class Tolerances:
         return cls(zero, zero * ZERO_FLOOR_FRACTION, verify * Z_RTOL_FRACTION, verify)
 
 
+#: a noisy gradient's zero band is this many times its noise-to-batch ratio s_(b+1) / s_b
+#: (the errors of L's columns reach about that ratio, see :func:`resolvable`)
+NOISE_ZERO_FACTOR = 3.0
+
+
+def noisy_tolerances(tol: Tolerances, noise_ratio: float) -> Tolerances:
+    """``tol`` with the zero band widened to the gradient's noise (DP-SGD, a gradient sent with
+    noise): entries of ``L q`` within ``NOISE_ZERO_FACTOR * s_(b+1) / s_b`` of a column's max
+    count as zero. The verification tolerance stays: a noisy gradient is not reproduced to it,
+    so nothing recovered from one is called verified."""
+    zero = max(tol.zero_rtol, NOISE_ZERO_FACTOR * noise_ratio)
+    return Tolerances(zero, zero * ZERO_FLOOR_FRACTION, tol.z_rtol, tol.verify_rtol)
+
+
 def resolvable(singular_values: torch.Tensor, b: int, zero_rtol: float, eps: float) -> bool:
     """Whether zero sets can be trusted: the errors of L's columns, at most about ``noise / s_b``
     relative (noise: the first singular value beyond the batch, or eps s_max), stay within

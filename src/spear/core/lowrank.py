@@ -23,6 +23,16 @@ class LowRankSplit:
     singular_values: torch.Tensor
     rank_rtol: float
     numerical_rank: int = 0  # the rank rule's own estimate (batch_size may be given instead)
+    #: the batch size was read off the largest singular-value gap of a full-rank (noisy)
+    #: gradient instead of its numerical rank
+    from_gap: bool = False
+
+    @property
+    def noise_ratio(self) -> float:
+        """``s_(b+1) / s_b``: how close the gradient's noise comes to the batch's weakest
+        singular value (0 for a batch as wide as the layer)."""
+        S, b = self.singular_values, self.batch_size
+        return float(S[b] / S[b - 1]) if b < S.numel() and float(S[b - 1]) > 0 else 0.0
 
 
 #: source dtypes less precise than this (float32, float16, bfloat16) get the jump rule
@@ -88,6 +98,22 @@ def numerical_rank(
     return estimate
 
 
+#: a full-rank gradient (DP noise) is read as a batch of the size at its largest singular-value
+#: gap when that gap is at least this large; below it the batch is buried in the noise
+NOISY_GAP = 10.0
+
+def largest_gap(singular_values: torch.Tensor) -> tuple[int, float]:
+    """The k with the largest drop ``s_k / s_(k+1)`` among nonzero singular values, and that
+    drop (0 when there are fewer than two): where a batch stands out of full-rank noise."""
+    S = singular_values
+    positive = S[S > 0]
+    if positive.numel() < 2:
+        return int(positive.numel()), 0.0
+    ratio = positive[:-1] / positive[1:]
+    k = int(ratio.argmax())
+    return k + 1, float(ratio[k])
+
+
 #: extra columns of the randomized range finder beyond the rank bound (:func:`leading_svd`)
 RANGE_OVERSAMPLE = 10
 
@@ -143,13 +169,18 @@ def low_rank_split(
             f"dL/dW has numerical rank 0 at rank_rtol={rtol:g}: no singular value is above the "
             "threshold; lower rank_rtol or pass batch_size="
         )
+    from_gap = False
+    if b >= min(m, n) and batch_size is None:
+        gap, ratio = largest_gap(S)
+        if ratio >= NOISY_GAP:
+            b, from_gap = gap, True  # noise fills the rank; the batch stands out above it
     if b >= min(m, n):
-        gap = gap_rank(S, GAP_FLOOR_EPS * torch.finfo(source).eps * 1e6)
+        gap, ratio = largest_gap(S)
         hint = (
             f" The largest drop of its singular values comes after {gap} of them (s ratio "
-            f"{float(S[gap - 1] / S[gap]):.1e}): if the gradient carries noise, batch_size={gap} may be "
-            "right."
-            if 0 < gap < min(m, n)
+            f"{ratio:.1e}, below the {NOISY_GAP:g} a noisy batch needs to stand out): if the "
+            f"gradient carries noise, batch_size={gap} may be right."
+            if 0 < gap < min(m, n) and batch_size is None
             else ""
         )
         raise RankError(
@@ -161,4 +192,6 @@ def low_rank_split(
     root = S[:b].sqrt()
     L = U[:, :b] * root
     R = root[:, None] * Vh[:b]
-    return LowRankSplit(L=L, R=R, batch_size=b, singular_values=S, rank_rtol=rtol, numerical_rank=estimate)
+    return LowRankSplit(
+        L=L, R=R, batch_size=b, singular_values=S, rank_rtol=rtol, numerical_rank=estimate, from_gap=from_gap
+    )

@@ -19,7 +19,7 @@ import torch
 
 from spear import theory
 from spear.core.certificate import SampleCertificates, SampleCertifier
-from spear.core.consistency import Tolerances, resolvable
+from spear.core.consistency import Tolerances, noisy_tolerances, resolvable
 from spear.core.deadline import Deadline
 from spear.core.diagnosis import (
     DIAGNOSABLE_RATIO,
@@ -170,7 +170,7 @@ class AttackSetup:
             live_inputs=live_inputs,
             split=split,
             problem=problem,
-            tol=Tolerances.for_dtype(source_dtype, options.zero_rtol, options.verify_rtol),
+            tol=_tolerances(split, source_dtype, options),
             threshold=theory.sparsity_threshold_count(rows_searched, options.p_fr),
             budget=budget,
             options=options,
@@ -246,6 +246,30 @@ class AttackSetup:
         return (inputs, grad_outputs), check
 
 
+def noise_note(setup: AttackSetup) -> str | None:
+    """What a noisy gradient (rank above the batch) means for the result, or None."""
+    split = setup.split
+    if not (split.from_gap or split.numerical_rank > split.batch_size):
+        return None
+    how = "read off the largest singular-value gap" if split.from_gap else "given"
+    return (
+        f"the gradient is noisy (numerical rank {split.numerical_rank} > batch size {split.batch_size}, "
+        f"{how}; noise at {split.noise_ratio:.1e} of the batch's weakest singular value): the batch "
+        f"is recovered only to within the noise (zero band widened to {setup.tol.zero_rtol:.1e}) "
+        "and it is verified only if the noise stays below the verification tolerance"
+    )
+
+
+def _tolerances(split: LowRankSplit, source_dtype: torch.dtype, options: AttackOptions) -> Tolerances:
+    """The dtype's tolerances, with the zero band widened to the noise of a gradient whose rank
+    exceeds the batch (read off the gap, or given as ``batch_size``), unless ``zero_rtol`` is set."""
+    tol = Tolerances.for_dtype(source_dtype, options.zero_rtol, options.verify_rtol)
+    noisy = split.from_gap or split.numerical_rank > split.batch_size
+    if noisy and options.zero_rtol is None:
+        return noisy_tolerances(tol, split.noise_ratio)
+    return tol
+
+
 class _Attack:
     """The search loop of one attack and its state."""
 
@@ -295,7 +319,7 @@ class _Attack:
         self.trusted_seen, self.last_progress = 0, 0  # for _check_stall
         self.resolvable = setup.resolvable
         self._offered: Selection | None = None  # the last selection shown to stop_when
-        self.notes: list[str] = []
+        self.notes: list[str] = [] if (note := noise_note(setup)) is None else [note]
 
     # --- one step ---------------------------------------------------------------------------
 

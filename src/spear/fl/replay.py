@@ -232,11 +232,28 @@ def _identify_steps(
     return labels, steps
 
 
+#: the update's rounding floor is multiplied by this for the replay's tolerance
+ROUNDING_SLACK = 10.0
+
+
+def replay_tolerance(model: nn.Module, update: dict[str, torch.Tensor], protocol: FedAvg) -> float:
+    """Relative tolerance of a replayed update: the dtype's verification tolerance, or the
+    rounding floor of ``(W_before - W_after) / lr`` if that is larger. The subtraction cancels:
+    each entry keeps about ``eps |W| / (lr |update|)`` of relative precision (float32 weights
+    of 0.05 and steps of 1e-4 leave 3 digits), for the client and the replay alike."""
+    dtype = next(iter(update.values())).dtype
+    eps = torch.finfo(dtype).eps
+    weights = sum(float(p.detach().double().pow(2).sum()) for p in model.parameters()) ** 0.5
+    size = sum(float(u.double().pow(2).sum()) for u in update.values()) ** 0.5
+    floor = eps * weights / (protocol.lr * size) if size > 0 else float("inf")
+    return max(Tolerances.for_dtype(dtype).verify_rtol, ROUNDING_SLACK * floor)
+
+
 def replay_accepts(
     model: nn.Module, update: dict[str, torch.Tensor], protocol: FedAvg, layer: str = "0"
 ) -> Callable[[torch.Tensor, torch.Tensor], bool]:
     """A ``stop_when`` check for the attack: does the replay certify this batch?"""
-    rtol = Tolerances.for_dtype(update[f"{layer}.weight"].dtype).verify_rtol
+    rtol = replay_tolerance(model, update, protocol)
 
     def accepts(inputs: torch.Tensor, grad_outputs: torch.Tensor) -> bool:
         return certify_by_replay(model, update, protocol, inputs, grad_outputs, layer, rtol).ok
@@ -252,8 +269,7 @@ def apply_replay(
     reason. Without a recovered batch, ``rec`` is returned unchanged."""
     if rec.inputs is None or rec.grad_outputs is None:
         return rec
-    source = update[f"{layer}.weight"].dtype
-    rtol = Tolerances.for_dtype(source).verify_rtol
+    rtol = replay_tolerance(model, update, protocol)
     cert = certify_by_replay(model, update, protocol, rec.inputs, rec.grad_outputs, layer, rtol)
     notes = (*rec.notes, f"attack before the replay: {rec.message}")
     if cert.ok:

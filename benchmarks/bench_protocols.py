@@ -16,6 +16,7 @@ clients 1e-4), PSNR, SSIM, seconds. ``--budget`` seconds per attack.
 
 Default (about 20 minutes on 2 cores, nothing else running):
     python benchmarks/bench_protocols.py
+One section again (the others are kept in the JSON): ``--sections dp``.
 Full setting (more seeds and noise levels):
     python benchmarks/bench_protocols.py --seeds 5 --budget 120 \\
         --noise 0 1e-7 1e-6 1e-5 1e-4 1e-3 1e-2 0.1 0.5 1 2
@@ -24,6 +25,7 @@ Full setting (more seeds and noise levels):
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import time
 from pathlib import Path
@@ -31,6 +33,9 @@ from pathlib import Path
 from common import machine, median, write_json
 from spear.errors import SpearError
 from spear.experiments import ExperimentSettings, run_experiment
+from spear.fl import DPSGD
+
+SECTIONS = ["dtype", "fedavg", "dp", "secagg"]
 
 
 def run(settings: ExperimentSettings) -> dict:
@@ -125,7 +130,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--sections", nargs="+", default=["dtype", "fedavg", "dp", "secagg"])
+    parser.add_argument("--sections", nargs="+", default=SECTIONS, choices=SECTIONS)
     parser.add_argument("--width", type=int, default=500)
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--dtype-batches", type=int, nargs="+", default=[16, 32, 64])
@@ -144,10 +149,14 @@ def main() -> None:
         runs = [run(ExperimentSettings(seed=seed, **options)) for seed in range(args.seeds)]
         row = {"section": section, **key, **summarize(runs), "per_seed": runs}
         if section == "dp":
-            row["epsilon"] = runs[0].get("protocol", {}).get("dp_epsilon")
+            row["epsilon"] = DPSGD(key["noise_multiplier"], 1.0).epsilon()
         results.append(row)
         shown = {k: v for k, v in row.items() if k not in ("per_seed",)}
         print(shown, flush=True)
+    previous = Path(args.out)
+    if previous.exists() and set(args.sections) != set(SECTIONS):  # rerun of some sections: keep the rest
+        kept = [r for r in json.loads(previous.read_text())["results"] if r["section"] not in args.sections]
+        results = sorted(kept + results, key=lambda r: SECTIONS.index(r["section"]))
     payload = {"machine": machine(), "settings": vars(args), "results": results}
     path = write_json(args.out, payload)
     plot_dp(results, Path(path).with_name("protocols_dp.png"))

@@ -123,6 +123,15 @@ def test_secure_aggregation_recovers_every_clients_batch(mnist):
     assert not single.verified
 
 
+def test_aggregate_weights_that_are_multiples_are_ambiguous():
+    # 2/4 is a sample twice in a client of 4, or a sample of a client of 2: not determined
+    from spear.core.certificate import aggregate_multiples
+
+    weights = torch.tensor([1 / 4, 1 / 4, 2 / 4, 1 / 6], dtype=torch.float64)
+    assert aggregate_multiples(weights) == [2]
+    assert aggregate_multiples(torch.tensor([1 / 4] * 4 + [1 / 6] * 6, dtype=torch.float64)) == []
+
+
 def test_aggregate_weights_tell_clients_apart_by_size():
     weights = torch.tensor([1 / 4] * 4 + [1 / 8] * 8, dtype=torch.float64)
     reduction = infer_aggregate(weights, clients=2)
@@ -168,6 +177,25 @@ def test_fedavg_replay_refuses_what_it_cannot_confirm(mnist):
     assert not rec.verified and "not searched" in rec.message
 
 
+def test_replay_refuses_a_batch_with_one_sample_slightly_off(mnist):
+    from spear.fl.replay import certify_by_replay
+
+    model = fully_connected(mnist.features, 300, 4, mnist.classes, seed=11)
+    protocol = FedAvg(epochs=2, batch_size=None, lr=0.1)
+    view, _ = simulate_round(model, mnist, 12, protocol, seed=11)
+    rec = attack(view, protocol)
+    assert rec.verified, rec.message
+    same = certify_by_replay(view.model, view.gradients, protocol, rec.inputs, rec.grad_outputs, rtol=1e-8)
+    assert same.ok
+    noise = torch.randn(
+        rec.inputs.shape[1], dtype=rec.inputs.dtype, generator=torch.Generator().manual_seed(0)
+    )
+    inputs = rec.inputs.clone()
+    inputs[0] += 1e-6 * inputs[0].norm() * noise / noise.norm()  # one sample 1e-6 off
+    cert = certify_by_replay(view.model, view.gradients, protocol, inputs, rec.grad_outputs, rtol=1e-8)
+    assert not cert.ok and "worst sample's column" in cert.message
+
+
 def test_auditing_strategy_records_every_client_and_round(mnist, tmp_path):
     model = fully_connected(mnist.features, 300, 4, mnist.classes, seed=9)
     clients = []
@@ -210,7 +238,7 @@ def test_bad_protocol_settings_give_clear_errors(mnist):
         simulate_round(model, mnist, 4, FedAvg(batch_size=8))
     with pytest.raises(InputError, match="noise multiplier must be >= 0"):
         DPSGD(noise_multiplier=-1.0)
-    with pytest.raises(InputError, match="clipping norm must be > 0"):
+    with pytest.raises(InputError, match="clipping norm must be a finite number > 0"):
         DPSGD(max_grad_norm=0.0)
     with pytest.raises(InputError, match="number of clients"):
         simulate_round(model, mnist, 4, clients=0)
@@ -229,6 +257,10 @@ runner = CliRunner()
         (["--protocol", "gossip"], "unknown protocol"),
         (["--dtype", "float16"], "unknown --dtype"),
         (["--protocol", "fedavg", "--dp-max-grad-norm", "1"], "apply to DP-SGD"),
+        (["--protocol", "fedsgd", "--local-epochs", "3"], "apply to FedAvg"),
+        (["--local-lr", "inf"], "finite number > 0"),
+        (["--dp-noise-multiplier", "inf"], "at most 1e+06"),
+        (["--dp-max-grad-norm", "inf"], "finite number > 0"),
     ],
 )
 def test_cli_rejects_bad_protocol_settings(args, message):

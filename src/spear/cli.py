@@ -98,10 +98,18 @@ def _settings(**options):
     if options["proposer"] not in PROPOSERS:
         _fail(f"unknown proposer {options['proposer']!r}; choose one of {', '.join(sorted(PROPOSERS))}")
     dp_given = options.get("dp_noise_multiplier") is not None or options.get("dp_max_grad_norm") is not None
-    protocol = options.get("protocol") or ("dpsgd" if dp_given else "fedsgd")
+    local = ("local_epochs", "local_batch_size", "local_lr")
+    local_given = any(options.get(key) is not None for key in local)
+    implied = "dpsgd" if dp_given else "fedavg" if local_given else "fedsgd"
+    protocol = options.get("protocol") or implied
     if dp_given and protocol != "dpsgd":
         _fail(f"--dp-noise-multiplier / --dp-max-grad-norm apply to DP-SGD, not --protocol {protocol}")
+    if local_given and protocol != "fedavg":
+        _fail(f"--local-epochs / --local-batch-size / --local-lr apply to FedAvg, not --protocol {protocol}")
     options["protocol"] = protocol
+    for key, default in (("local_epochs", 1), ("local_lr", 0.1)):
+        if options.get(key) is None:
+            options[key] = default
     realistic = protocol != "fedsgd" or options.get("clients", 1) > 1
     options["dtype"] = options.get("dtype") or ("float32" if realistic else "float64")
     if options["dtype"] not in DTYPES:
@@ -154,11 +162,11 @@ DtypeOpt = Annotated[
 ProtocolOpt = Annotated[
     str | None, typer.Option(help="what the client sends: fedsgd (default), fedavg, dpsgd")
 ]
-EpochsOpt = Annotated[int, typer.Option(help="FedAvg: local epochs E")]
+EpochsOpt = Annotated[int | None, typer.Option(help="FedAvg: local epochs E (default 1)")]
 LocalBatchOpt = Annotated[
     int | None, typer.Option(help="FedAvg: local mini-batch size (default: the whole batch)")
 ]
-LocalLrOpt = Annotated[float, typer.Option(help="FedAvg: local SGD learning rate")]
+LocalLrOpt = Annotated[float | None, typer.Option(help="FedAvg: local SGD learning rate (default 0.1)")]
 NoiseOpt = Annotated[
     float | None, typer.Option(help="DP-SGD (Opacus): noise multiplier sigma (0: clipping only)")
 ]
@@ -185,9 +193,9 @@ def attack(
     proposer: ProposerOpt = "auto",
     dtype: DtypeOpt = None,
     protocol: ProtocolOpt = None,
-    local_epochs: EpochsOpt = 1,
+    local_epochs: EpochsOpt = None,
     local_batch_size: LocalBatchOpt = None,
-    local_lr: LocalLrOpt = 0.1,
+    local_lr: LocalLrOpt = None,
     dp_noise_multiplier: NoiseOpt = None,
     dp_max_grad_norm: ClipOpt = None,
     clients: ClientsOpt = 1,
@@ -261,9 +269,9 @@ def evaluate(
     proposer: ProposerOpt = "auto",
     dtype: DtypeOpt = None,
     protocol: ProtocolOpt = None,
-    local_epochs: EpochsOpt = 1,
+    local_epochs: EpochsOpt = None,
     local_batch_size: LocalBatchOpt = None,
-    local_lr: LocalLrOpt = 0.1,
+    local_lr: LocalLrOpt = None,
     dp_noise_multiplier: NoiseOpt = None,
     dp_max_grad_norm: ClipOpt = None,
     clients: ClientsOpt = 1,

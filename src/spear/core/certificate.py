@@ -134,6 +134,19 @@ def infer_reduction(weights: torch.Tensor, rtol: float = WEIGHT_RTOL) -> BatchRe
     return none
 
 
+def aggregate_multiples(weights: torch.Tensor, rtol: float = WEIGHT_RTOL) -> list[int]:
+    """Samples whose weight is an integer multiple (>= 2) of another sample's: under secure
+    aggregation a weight ``k/B`` is a sample present k times in a client of B, or one sample of a
+    client of ``B/k``; the update cannot tell which, so such batches are not verified."""
+    w = weights.detach().double().cpu()
+    if w.numel() == 0 or not bool(torch.isfinite(w).all()) or bool((w <= 0).any()):
+        return []
+    ratio = w[:, None] / w[None, :]
+    whole = ratio.round()
+    multiple = (whole >= 2) & ((ratio - whole).abs() <= rtol * ratio)
+    return multiple.any(dim=1).nonzero()[:, 0].tolist()
+
+
 def infer_aggregate(weights: torch.Tensor, clients: int, rtol: float = WEIGHT_RTOL) -> BatchReduction:
     """The reduction of a sum of ``clients`` clients' mean losses (secure aggregation): sample j
     of a client with B_k samples has weight ``1 / B_k``.
@@ -143,7 +156,7 @@ def infer_aggregate(weights: torch.Tensor, clients: int, rtol: float = WEIGHT_RT
     the samples those clients hold beyond the recovered ones (they left no trace in the layer);
     it is None when fewer clients than ``clients`` are seen (a client's whole batch may be
     invisible). Exact duplicates inside one client (weight ``2/B``) read as a client of ``B/2``
-    samples: with equal client sizes the client count then exceeds ``clients`` and nothing fits.
+    samples; :func:`aggregate_multiples` finds such weights, which the verdict refuses.
     """
     none = BatchReduction(None, None, None)
     w = weights.detach().double().cpu()

@@ -27,6 +27,7 @@ from spear.core.certificate import (
     BatchReduction,
     SampleCertificates,
     SampleCertifier,
+    aggregate_multiples,
     infer_aggregate,
     infer_reduction,
 )
@@ -229,12 +230,19 @@ def _judge_by_model(
             "layer does not pin them"
         )
     precision = WEIGHT_PRECISION * tol.verify_rtol
-    if clients > 1:
+    if clients > 1 and (multiples := aggregate_multiples(cert.weights, precision)):
+        verdict.problems.append(
+            f"sample(s) {multiples} carry an integer multiple of another sample's loss weight: under "
+            f"secure aggregation each is a sample repeated in its client or a sample of a smaller "
+            "client, and the update cannot tell which (how many samples there are is not determined)"
+        )
+        reduction = BatchReduction(None, None, None)
+    elif clients > 1:
         reduction = infer_aggregate(cert.weights, clients, precision)
     else:
         reduction = infer_reduction(cert.weights, precision)
     verdict.reduction = reduction
-    if reduction.reduction is None:
+    if reduction.reduction is None and not verdict.problems:
         expected = (
             f"1/B_k of each sample's own client, over {clients} clients"
             if clients > 1
@@ -269,13 +277,16 @@ def aggregate_note(client_sizes: torch.Tensor, clients: int) -> str:
     sizes = sorted({int(v) for v in client_sizes.tolist()})
     if len(sizes) == 1:
         return (
-            f"secure aggregation over {clients} clients: every sample carries 1/{sizes[0]}, so the "
-            "clients all hold that many samples and which client each sample came from is not "
-            "determined by the update"
+            f"secure aggregation over {clients} clients: every sample carries 1/{sizes[0]}, as from "
+            f"clients of {sizes[0]} samples each (a client repeating each of its samples equally "
+            "often gives the same update); which client each sample came from is not determined"
         )
     groups = {size: (client_sizes == size).nonzero()[:, 0].tolist() for size in sizes}
     listed = "; ".join(f"samples {idx} from client(s) of {size}" for size, idx in groups.items())
-    return f"secure aggregation over {clients} clients, told apart by their batch sizes: {listed}"
+    return (
+        f"secure aggregation over {clients} clients, told apart by their batch sizes as far as the "
+        f"update shows: {listed}"
+    )
 
 
 def _certify_rest(

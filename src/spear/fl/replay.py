@@ -158,16 +158,52 @@ def certify_by_replay(
             "its column; the client's private mini-batch order is not searched, so the batch is not "
             "certified (it is exact when every sample is; see the metrics)",
         )
+    if rtol > REPLAY_RTOL_CAP:
+        return ReplayCertificate(
+            False,
+            labels,
+            steps,
+            float("inf"),
+            f"replay: the update keeps only {rtol:.0e} of relative precision ((W_before - W_after) / lr "
+            f"cancels at this learning rate and dtype), too little to certify a batch",
+        )
     replayed = replay_update(model, x, labels, steps, protocol.lr)
     residual = update_residual(update, replayed)
-    ok = residual <= rtol
+    misfit = column_misfits(model, layer, x, u, labels, steps, protocol.lr)
+    worst = int(misfit.argmax())
+    ok = residual <= rtol and float(misfit[worst]) <= rtol
     verdict = "equals" if ok else "does not equal"
     message = (
         f"replay: the local training on the recovered batch ({protocol.epochs} epoch(s), "
         f"{len(steps)} step(s), lr {protocol.lr}) {verdict} the received update "
-        f"(relative error {residual:.1e}, tolerance {rtol:.0e})"
+        f"(relative error {residual:.1e}; worst sample's column {float(misfit[worst]):.1e}; "
+        f"tolerance {rtol:.0e})"
     )
     return ReplayCertificate(ok, labels, steps, residual, message)
+
+
+def column_misfits(
+    model: nn.Module,
+    layer: str,
+    x: torch.Tensor,
+    u: torch.Tensor,
+    labels: torch.Tensor,
+    steps: list[list[int]],
+    lr: float,
+) -> torch.Tensor:
+    """Each sample's own check: its recovered column ``u_j`` against its per-sample gradients
+    summed along the replayed training (``sum over its steps of g_j(W_t; y_j) / |B_t|``),
+    relative. The whole update's residual averages over the batch, so one wrong sample among
+    many could hide in it; this cannot."""
+    local = copy.deepcopy(model)
+    classes = _classes(local, x)
+    predicted = torch.zeros_like(u)
+    for step in steps:
+        index = torch.tensor(step, dtype=torch.long)
+        per_label = layer_gradients(local, layer, x[index], classes)
+        predicted[index] += per_label[torch.arange(index.numel()), labels[index]] / len(step)
+        local_sgd(local, x, labels, [index], lr)
+    return _misfit(u, predicted)
 
 
 #: rounds of label refinement along the replayed trajectory
@@ -234,6 +270,8 @@ def _identify_steps(
 
 #: the update's rounding floor is multiplied by this for the replay's tolerance
 ROUNDING_SLACK = 10.0
+#: a replay tolerance above this (an update that kept too few digits) certifies nothing
+REPLAY_RTOL_CAP = 1e-2
 
 
 def replay_tolerance(model: nn.Module, update: dict[str, torch.Tensor], protocol: FedAvg) -> float:

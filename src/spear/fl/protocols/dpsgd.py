@@ -16,6 +16,7 @@ the gradient full-rank and its zeros approximate: see the README for where recov
 from __future__ import annotations
 
 import copy
+import math
 import warnings
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -26,6 +27,8 @@ from torch import nn
 from spear.errors import InputError
 from spear.fl.protocols.base import Protocol, named_update
 
+#: noise multipliers beyond this give epsilon ~0 and overflow Opacus' accountant
+MAX_NOISE_MULTIPLIER = 1e6
 #: Opacus divides the clipping norm by ``||g_j|| + 1e-6`` (DPOptimizer.clip_and_accumulate)
 OPACUS_NORM_EPS = 1e-6
 #: the privacy accounting reported with every DP record: a plausible training run
@@ -53,10 +56,13 @@ class DPSGD(Protocol):
     name: ClassVar[str] = "dpsgd"
 
     def __post_init__(self) -> None:
-        if not self.noise_multiplier >= 0:
-            raise InputError(f"the DP noise multiplier must be >= 0 (got {self.noise_multiplier})")
-        if not self.max_grad_norm > 0:
-            raise InputError(f"the DP clipping norm must be > 0 (got {self.max_grad_norm})")
+        if not 0 <= self.noise_multiplier <= MAX_NOISE_MULTIPLIER:
+            raise InputError(
+                f"the DP noise multiplier must be >= 0 and at most {MAX_NOISE_MULTIPLIER:g} "
+                f"(got {self.noise_multiplier})"
+            )
+        if not 0 < self.max_grad_norm < math.inf:
+            raise InputError(f"the DP clipping norm must be a finite number > 0 (got {self.max_grad_norm})")
 
     def epsilon(self) -> float:
         """Epsilon of ``run`` at ``delta`` from Opacus' RDP accountant (inf without noise)."""

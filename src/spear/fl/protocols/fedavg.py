@@ -14,6 +14,7 @@ replaying the local training (the server knows E, eta and the mini-batch size).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -66,8 +67,8 @@ class FedAvg(Protocol):
             raise InputError(f"FedAvg needs at least one local epoch (got local_epochs={self.epochs})")
         if self.batch_size is not None and self.batch_size < 1:
             raise InputError(f"the local batch size must be >= 1 (got {self.batch_size})")
-        if not self.lr > 0:
-            raise InputError(f"the local learning rate must be > 0 (got {self.lr})")
+        if not 0 < self.lr < math.inf:
+            raise InputError(f"the local learning rate must be a finite number > 0 (got {self.lr})")
 
     def check_batch(self, batch_size: int) -> None:
         super().check_batch(batch_size)

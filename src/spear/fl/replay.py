@@ -195,15 +195,28 @@ def column_misfits(
     summed along the replayed training (``sum over its steps of g_j(W_t; y_j) / |B_t|``),
     relative. The whole update's residual averages over the batch, so one wrong sample among
     many could hide in it; this cannot."""
+    per_label = summed_gradients(model, layer, x, labels, steps, lr)
+    predicted = per_label[torch.arange(x.shape[0]), labels]
+    return _misfit(u, predicted)
+
+
+def summed_gradients(
+    model: nn.Module, layer: str, x: torch.Tensor, labels: torch.Tensor, steps: list[list[int]], lr: float
+) -> torch.Tensor:
+    """Along the training replayed with ``labels``: for every sample and label, the sum over the
+    sample's steps of its per-sample gradient at ``layer`` over the step's size, (b, classes, m)."""
     local = copy.deepcopy(model)
     classes = _classes(local, x)
-    predicted = torch.zeros_like(u)
+    total: torch.Tensor | None = None
     for step in steps:
         index = torch.tensor(step, dtype=torch.long)
-        per_label = layer_gradients(local, layer, x[index], classes)
-        predicted[index] += per_label[torch.arange(index.numel()), labels[index]] / len(step)
+        grads = layer_gradients(local, layer, x[index], classes) / len(step)
+        if total is None:
+            total = torch.zeros(x.shape[0], *grads.shape[1:], dtype=grads.dtype)
+        total[index] += grads
         local_sgd(local, x, labels, [index], lr)
-    return _misfit(u, predicted)
+    assert total is not None
+    return total
 
 
 #: rounds of label refinement along the replayed trajectory
@@ -223,14 +236,8 @@ def refine_labels(
     ``sum over its steps t of g_j(W_t; y_j) / |B_t|``. Replay with the current labels, recompute
     that sum for every label, keep the most parallel; repeat until the labels settle (a label
     guessed from the first step alone can be wrong after many epochs)."""
-    classes = _classes(model, x)
     for _ in range(REFINE_ROUNDS):
-        local = copy.deepcopy(model)
-        total = torch.zeros(x.shape[0], classes, u.shape[1], dtype=u.dtype)
-        for step in steps:
-            index = torch.tensor(step, dtype=torch.long)
-            total[index] += layer_gradients(local, layer, x[index], classes) / len(step)
-            local_sgd(local, x, labels, [index], lr)
+        total = summed_gradients(model, layer, x, labels, steps, lr)
         refined, _ = best_labels(u, total)
         if bool((refined == labels).all()):
             break

@@ -302,3 +302,14 @@ def test_dp_noise_gives_a_full_rank_gradient_read_off_its_gap(mnist):
     assert float(error) < 1e-3
     if rec.verified:
         assert float(error) < 1e-6
+
+
+def test_audit_without_the_learning_rate_says_so(mnist):
+    from flwr.common import Code, FitRes, Status
+
+    model = fully_connected(mnist.features, 100, 3, mnist.classes, seed=12)
+    weights = [p.detach().numpy().copy() for p in model.parameters()]
+    strategy = AuditingFedAvg(model)
+    fit = FitRes(Status(Code.OK, "ok"), ndarrays_to_parameters(weights), 8, {})
+    record = strategy.audit(1, "0", weights, {"local_epochs": 1}, fit)
+    assert not record.verified and "no 'lr'" in record.message

@@ -35,6 +35,7 @@ from flwr.server.strategy import Strategy
 from torch import nn
 
 from spear.fl.protocols.fedavg import local_sgd, shuffled_batches
+from spear.fl.replay import first_linear
 
 
 class LocalTrainingClient(NumPyClient):
@@ -187,48 +188,25 @@ class AuditingFedAvg(FedAvgStrategy):
         """Attack one client's update (``before`` the global weights it received)."""
         import spear
         from spear.errors import SpearError
-        from spear.fl.protocols import FedAvg
 
         start = time.perf_counter()
         model = copy.deepcopy(self.model)
-        names = [name for name, _ in model.named_parameters()]
         with torch.no_grad():
             for param, value in zip(model.parameters(), before, strict=True):
                 param.copy_(torch.from_numpy(np.asarray(value)).to(param))
-        after = parameters_to_ndarrays(fit_res.parameters)
-        protocol = FedAvg(
-            int(config.get("local_epochs", 1)),
-            int(config["batch_size"]) if "batch_size" in config else None,
-            float(config.get("lr", 1.0)),
-        )
-        update = {
-            name: torch.from_numpy(np.asarray(b) - np.asarray(a)) / protocol.lr
-            for name, b, a in zip(names, before, after, strict=True)
-        }
-        first = next(name for name, mod in model.named_modules() if isinstance(mod, nn.Linear))
         try:
+            protocol = _local_training(config)
+            update = _weight_update(model, before, parameters_to_ndarrays(fit_res.parameters), protocol.lr)
             options = {**protocol.attack_options(model, update), **self.attack_options}
-            rec = spear.attack_layer(model, first, update, **options)
+            rec = spear.attack_layer(model, first_linear(model), update, **options)
             rec = protocol.certify(model, update, rec)
         except SpearError as exc:
+            seconds = time.perf_counter() - start
             return AuditRecord(
-                server_round,
-                client,
-                fit_res.num_examples,
-                0,
-                False,
-                None,
-                0,
-                time.perf_counter() - start,
-                f"not attacked: {exc}",
+                server_round, client, fit_res.num_examples, 0, False, None, 0, seconds, f"not attacked: {exc}"
             )
-        recovered = (
-            rec.batch_size
-            if rec.inputs is not None
-            else (0 if rec.certified_inputs is None else int(rec.certified_inputs.shape[0]))
-        )
         certified = 0 if rec.certified_inputs is None else int(rec.certified_inputs.shape[0])
-        keep = rec.inputs if self.keep_inputs else None
+        recovered = rec.batch_size if rec.inputs is not None else certified
         return AuditRecord(
             server_round,
             client,
@@ -239,7 +217,7 @@ class AuditingFedAvg(FedAvgStrategy):
             certified,
             time.perf_counter() - start,
             rec.message,
-            keep,
+            rec.inputs if self.keep_inputs else None,
             rec.labels if self.keep_inputs else None,
         )
 
@@ -248,3 +226,28 @@ class AuditingFedAvg(FedAvgStrategy):
             return
         with open(self.log_path, "a", encoding="utf-8") as handle:
             handle.write(json.dumps(record.as_dict()) + "\n")
+
+
+def _local_training(config: dict[str, Any]):
+    """The FedAvg settings a fit config told the clients (``local_epochs``, ``batch_size``, ``lr``)."""
+    from spear.errors import InputError
+    from spear.fl.protocols import FedAvg
+
+    if "lr" not in config:
+        raise InputError(
+            "the fit config carries no 'lr': the audit needs the clients' learning rate (and "
+            "'local_epochs', 'batch_size') from on_fit_config_fn to replay their training"
+        )
+    size = int(config["batch_size"]) if "batch_size" in config else None
+    return FedAvg(int(config.get("local_epochs", 1)), size, float(config["lr"]))
+
+
+def _weight_update(
+    model: nn.Module, before: list[np.ndarray], after: list[np.ndarray], lr: float
+) -> dict[str, torch.Tensor]:
+    """``(W_before - W_after) / lr`` by parameter name."""
+    names = [name for name, _ in model.named_parameters()]
+    return {
+        name: torch.from_numpy(np.asarray(b) - np.asarray(a)) / lr
+        for name, b, a in zip(names, before, after, strict=True)
+    }

@@ -59,6 +59,11 @@ class ReplayCertificate:
     message: str
 
 
+def first_linear(model: nn.Module) -> str:
+    """The name of the model's first ``nn.Linear`` (the layer whose inputs are the data)."""
+    return next(name for name, mod in model.named_modules() if isinstance(mod, nn.Linear))
+
+
 def layer_gradients(model: nn.Module, layer: str, inputs: torch.Tensor, classes: int) -> torch.Tensor:
     """Per-sample ``dL/dZ`` of ``layer`` for every label: (k, classes, m)."""
     module = dict(model.named_modules())[layer]
@@ -122,11 +127,13 @@ def certify_by_replay(
     protocol: FedAvg,
     inputs: torch.Tensor,
     grad_outputs: torch.Tensor,
-    layer: str = "0",
+    layer: str | None = None,
     rtol: float = 1e-6,
 ) -> ReplayCertificate:
     """Certify recovered inputs (b, n) with their columns (m, b) of the attacked first layer
-    by replaying ``protocol``'s local training on ``model`` (see the module doc)."""
+    by replaying ``protocol``'s local training on ``model`` (see the module doc); ``layer``
+    defaults to the model's first Linear."""
+    layer = layer or first_linear(model)
     b = inputs.shape[0]
     dtype = next(model.parameters()).dtype
     x, u = inputs.to(dtype), grad_outputs.T.to(dtype)
@@ -295,7 +302,7 @@ def replay_tolerance(model: nn.Module, update: dict[str, torch.Tensor], protocol
 
 
 def replay_accepts(
-    model: nn.Module, update: dict[str, torch.Tensor], protocol: FedAvg, layer: str = "0"
+    model: nn.Module, update: dict[str, torch.Tensor], protocol: FedAvg, layer: str | None = None
 ) -> Callable[[torch.Tensor, torch.Tensor], bool]:
     """A ``stop_when`` check for the attack: does the replay certify this batch?"""
     rtol = replay_tolerance(model, update, protocol)
@@ -307,7 +314,11 @@ def replay_accepts(
 
 
 def apply_replay(
-    model: nn.Module, update: dict[str, torch.Tensor], protocol: FedAvg, rec: Reconstruction, layer: str = "0"
+    model: nn.Module,
+    update: dict[str, torch.Tensor],
+    protocol: FedAvg,
+    rec: Reconstruction,
+    layer: str | None = None,
 ) -> Reconstruction:
     """``rec`` (an attack on ``model``'s first layer ``layer``) with the replay's verdict: verified
     by "replay" and labelled when the replayed update matches, otherwise not verified, with the

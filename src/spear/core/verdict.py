@@ -230,7 +230,8 @@ def _judge_by_model(
             "layer does not pin them"
         )
     precision = WEIGHT_PRECISION * tol.verify_rtol
-    if clients > 1 and (multiples := aggregate_multiples(cert.weights, precision)):
+    multiples = aggregate_multiples(cert.weights, precision) if clients > 1 else []
+    if multiples:
         verdict.problems.append(
             f"sample(s) {multiples} carry an integer multiple of another sample's loss weight: under "
             f"secure aggregation each is a sample repeated in its client or a sample of a smaller "
@@ -242,7 +243,7 @@ def _judge_by_model(
     else:
         reduction = infer_reduction(cert.weights, precision)
     verdict.reduction = reduction
-    if reduction.reduction is None and not verdict.problems:
+    if reduction.reduction is None and not multiples:
         expected = (
             f"1/B_k of each sample's own client, over {clients} clients"
             if clients > 1

@@ -28,6 +28,12 @@ class LowRankSplit:
     from_gap: bool = False
 
     @property
+    def noisy(self) -> bool:
+        """The gradient's rank exceeds the batch: noise (DP-SGD) fills it, and the batch size was
+        read off the gap or given."""
+        return self.from_gap or self.numerical_rank > self.batch_size
+
+    @property
     def noise_ratio(self) -> float:
         """``s_(b+1) / s_b``: how close the gradient's noise comes to the batch's weakest
         singular value (0 for a batch as wide as the layer)."""

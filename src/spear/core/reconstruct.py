@@ -249,7 +249,7 @@ class AttackSetup:
 def noise_note(setup: AttackSetup) -> str | None:
     """What a noisy gradient (rank above the batch) means for the result, or None."""
     split = setup.split
-    if not (split.from_gap or split.numerical_rank > split.batch_size):
+    if not split.noisy:
         return None
     how = "read off the largest singular-value gap" if split.from_gap else "given"
     return (
@@ -264,8 +264,7 @@ def _tolerances(split: LowRankSplit, source_dtype: torch.dtype, options: AttackO
     """The dtype's tolerances, with the zero band widened to the noise of a gradient whose rank
     exceeds the batch (read off the gap, or given as ``batch_size``), unless ``zero_rtol`` is set."""
     tol = Tolerances.for_dtype(source_dtype, options.zero_rtol, options.verify_rtol)
-    noisy = split.from_gap or split.numerical_rank > split.batch_size
-    if noisy and options.zero_rtol is None:
+    if split.noisy and options.zero_rtol is None:
         return noisy_tolerances(tol, split.noise_ratio)
     return tol
 

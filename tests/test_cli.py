@@ -42,7 +42,12 @@ def test_attack_table_output():
     "args,message",
     [
         (["attack", "--dataset", "cifar-100"], "unknown data set"),
-        (["attack", "--batch-size", "300"], "must be smaller than --width"),
+        (["attack", "--batch-size", "300"], "SPEAR needs b < 200"),
+        (["attack", "--layer", "1"], "cannot be attacked: choose a Linear layer"),
+        (["attack", "--layer", "10", "-b", "12"], "rank <= 10"),
+        (["attack", "--model", "resnet"], "unknown --model"),
+        (["attack", "--dataset", "adult", "--model", "cnn"], "needs image data"),
+        (["attack", "--layer", "2", "--protocol", "fedavg"], "hidden layer"),
         (["attack", "--depth", "1"], "--depth must be >= 2"),
         (["theory", "--batch-size", "30", "--width", "20"], "below the layer width"),
         (["evaluate", "--batches", "0"], "--batches must be >= 1"),

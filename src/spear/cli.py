@@ -26,7 +26,6 @@ app = typer.Typer(
 
 DEFAULT_DATASET = "mnist"
 DEFAULT_BATCH = 12
-DEFAULT_WIDTH = 200
 DEFAULT_DEPTH = 6
 
 
@@ -83,16 +82,17 @@ def _settings(**options):
     from spear.data import DATASETS
     from spear.experiments import ExperimentSettings
     from spear.experiments.run import DTYPES
+    from spear.fl import MODELS
 
     dataset, batch_size, width = options["dataset"].lower(), options["batch_size"], options["width"]
     if dataset not in DATASETS:
         _fail(f"unknown data set {dataset!r}; choose one of {', '.join(sorted(DATASETS))}")
     if batch_size < 1:
         _fail("--batch-size must be >= 1")
-    total = batch_size * options.get("clients", 1)
-    if total >= width:
-        what = f"the {total} samples of all clients" if total != batch_size else f"--batch-size {batch_size}"
-        _fail(f"{what} must be smaller than --width {width}: SPEAR needs b < m")
+    if width is not None and width < 2:
+        _fail("--width must be >= 2")
+    if options["model"] not in MODELS:
+        _fail(f"unknown --model {options['model']!r}; choose one of {', '.join(MODELS)}")
     if options["depth"] < 2:
         _fail("--depth must be >= 2")
     if options["proposer"] not in PROPOSERS:
@@ -137,17 +137,33 @@ def _fmt(value, digits=4) -> str:
 
 
 DatasetOpt = Annotated[
-    str, typer.Option("--dataset", "-d", help="mnist, fashion-mnist, digits, photos32/64/256")
+    str,
+    typer.Option("--dataset", "-d", help="mnist, fashion-mnist, digits, photos32/64/256, adult (tabular)"),
 ]
 BatchOpt = Annotated[int, typer.Option("--batch-size", "-b", help="client batch size")]
-WidthOpt = Annotated[int, typer.Option(help="hidden width m of the fully connected network")]
+WidthOpt = Annotated[
+    int | None, typer.Option(help="hidden width m: the MLP's layers (default 200), the CNN's head (512)")
+]
+ModelOpt = Annotated[
+    str, typer.Option(help="client model: mlp (fully connected ReLU) or cnn (small VGG, trained briefly)")
+]
+LayerOpt = Annotated[
+    str | None,
+    typer.Option(
+        help="attack this Linear layer (module name, e.g. 2 or 4 of the MLP); default: the first "
+        "Linear (the CNN's feature layer). Hidden inputs are taken back to the data"
+    ),
+]
 DepthOpt = Annotated[int, typer.Option(help="number of linear layers")]
 SeedOpt = Annotated[int, typer.Option(help="seed of network, batch and attack")]
 DeviceOpt = Annotated[str, typer.Option(help="cpu or cuda")]
 MaxPropOpt = Annotated[int | None, typer.Option(help="proposal budget N (default: 20x Lemma 5.2)")]
 TimeOpt = Annotated[float | None, typer.Option(help="seconds per attack before returning the best result")]
 InitOpt = Annotated[str, typer.Option(help="weight init: default, kaiming, xavier, normal")]
-PretrainOpt = Annotated[int, typer.Option(help="train the network this many SGD steps first (Fig. 7)")]
+PretrainOpt = Annotated[
+    int | None,
+    typer.Option(help="train the network this many SGD steps first (Fig. 7; default: mlp 0, cnn 300)"),
+]
 SingleOpt = Annotated[bool, typer.Option(help="all samples of one label (heterogeneous client)")]
 PfrOpt = Annotated[float, typer.Option(help="false-rejection rate p_fr (sets tau)")]
 ProposerOpt = Annotated[
@@ -180,14 +196,14 @@ ClientsOpt = Annotated[
 def attack(
     dataset: DatasetOpt = DEFAULT_DATASET,
     batch_size: BatchOpt = DEFAULT_BATCH,
-    width: WidthOpt = DEFAULT_WIDTH,
+    width: WidthOpt = None,
     depth: DepthOpt = DEFAULT_DEPTH,
     seed: SeedOpt = 0,
     device: DeviceOpt = "cpu",
     max_proposals: MaxPropOpt = None,
     time_budget: TimeOpt = None,
     init: InitOpt = "default",
-    pretrain_steps: PretrainOpt = 0,
+    pretrain_steps: PretrainOpt = None,
     single_label: SingleOpt = False,
     p_fr: PfrOpt = 1e-5,
     proposer: ProposerOpt = "auto",
@@ -199,6 +215,8 @@ def attack(
     dp_noise_multiplier: NoiseOpt = None,
     dp_max_grad_norm: ClipOpt = None,
     clients: ClientsOpt = 1,
+    model: ModelOpt = "mlp",
+    layer: LayerOpt = None,
     out: Annotated[Path | None, typer.Option(help="write result.json, grid.png, per_sample.csv here")] = None,
     json_output: Annotated[bool, typer.Option("--json", help="print the result as JSON on stdout")] = False,
 ) -> None:
@@ -221,14 +239,30 @@ def attack(
     if json_output:
         sys.stdout.write(json.dumps(json_safe(record), indent=2, allow_nan=False) + "\n")
         return
+    shape = f"{settings.depth}x{settings.width}" if settings.model == "mlp" else f"head {settings.width}"
     table = Table(
-        title=f"SPEAR on {settings.dataset}, b={settings.batch_size}, {settings.depth}x{settings.width}"
+        title=f"SPEAR on {settings.dataset}, b={settings.batch_size}, {settings.model} {shape}, "
+        f"layer {record['layer']}"
     )
     table.add_column("quantity")
     table.add_column("value", justify="right")
+    features = record.get("features")
+    if features:
+        for name, value in features["metrics"].items():
+            if name != "accuracy":
+                table.add_row(f"{name} (layer inputs)", _fmt(value))
+        table.add_row("exact layer inputs", f"{features['exact_samples']}/{settings.batch_size}")
+    inversion = record.get("inversion")
+    if inversion:
+        proven = "verified" if inversion["verified"] else "not verified"
+        table.add_row("back to the data", f"by {inversion['method']} ({proven})")
     m = record["metrics"]
-    for name in ("psnr", "ssim", "mse", "lpips"):
-        table.add_row(name.upper(), _fmt(m.get(name)))
+    for name, value in m.items():
+        if name not in ("accuracy", "label_accuracy"):
+            table.add_row(name.upper() if len(name) <= 5 else name, _fmt(value))
+    ceiling = record.get("ceiling")
+    if ceiling:
+        table.add_row("PSNR from the true features", _fmt(ceiling.get("psnr")))
     table.add_row("exact batch", "yes" if m["accuracy"] == 1.0 else "no")
     table.add_row("label accuracy", _fmt(m.get("label_accuracy")))
     verified_by = f" (by the {record['verified_by']})" if record.get("verified_by") else ""
@@ -256,14 +290,14 @@ def evaluate(
     ),
     dataset: DatasetOpt = DEFAULT_DATASET,
     batch_size: BatchOpt = DEFAULT_BATCH,
-    width: WidthOpt = DEFAULT_WIDTH,
+    width: WidthOpt = None,
     depth: DepthOpt = DEFAULT_DEPTH,
     seed: SeedOpt = 0,
     device: DeviceOpt = "cpu",
     max_proposals: MaxPropOpt = None,
     time_budget: TimeOpt = None,
     init: InitOpt = "default",
-    pretrain_steps: PretrainOpt = 0,
+    pretrain_steps: PretrainOpt = None,
     single_label: SingleOpt = False,
     p_fr: PfrOpt = 1e-5,
     proposer: ProposerOpt = "auto",
@@ -275,6 +309,8 @@ def evaluate(
     dp_noise_multiplier: NoiseOpt = None,
     dp_max_grad_norm: ClipOpt = None,
     clients: ClientsOpt = 1,
+    model: ModelOpt = "mlp",
+    layer: LayerOpt = None,
     json_output: Annotated[bool, typer.Option("--json", help="print the summary as JSON")] = False,
 ) -> None:
     """Attack K batches (seeds seed..seed+K-1) and report paper Table 1: mean and 95% CI of each
@@ -321,7 +357,7 @@ def evaluate(
 @app.command()
 def theory(
     batch_size: BatchOpt = 20,
-    width: WidthOpt = DEFAULT_WIDTH,
+    width: Annotated[int, typer.Option(help="layer width m")] = 200,
     p_fr: PfrOpt = 1e-5,
     json_output: Annotated[bool, typer.Option("--json")] = False,
 ) -> None:
@@ -360,7 +396,7 @@ def datasets() -> None:
     for name, ok in available_datasets().items():
         if ok:
             ds = load_dataset(name)
-            table.add_row(name, "yes", "x".join(map(str, ds.image_shape)), ds.note)
+            table.add_row(name, "yes", "x".join(map(str, ds.input_shape)), ds.note)
         else:
             table.add_row(name, "no", "", "")
     Console().print(table)

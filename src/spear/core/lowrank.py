@@ -145,6 +145,11 @@ def leading_svd(matrix: torch.Tensor, rank_bound: int) -> tuple[torch.Tensor, to
     return basis @ U_small, S, Vh
 
 
+#: a given batch size whose b-th singular value is within this many eps of zero (relative to
+#: the largest) names more samples than the gradient holds independent inputs
+DEPENDENT_EPS = 64
+
+
 def low_rank_split(
     grad_weight: torch.Tensor,
     *,
@@ -162,7 +167,8 @@ def low_rank_split(
 
     Raises:
         RankError: the gradient has full rank ``min(m, n)``, so ``b >= min(m, n)`` and the batch
-            cannot be disaggregated (SPEAR needs ``b < m`` and ``b < n``).
+            cannot be disaggregated (SPEAR needs ``b < m`` and ``b < n``); or a given
+            ``batch_size`` exceeds the number of independent inputs the gradient holds.
     """
     m, n = grad_weight.shape
     U, S, Vh = torch.linalg.svd(grad_weight, full_matrices=False)
@@ -174,6 +180,14 @@ def low_rank_split(
         raise RankError(
             f"dL/dW has numerical rank 0 at rank_rtol={rtol:g}: no singular value is above the "
             "threshold; lower rank_rtol or pass batch_size="
+        )
+    floor = DEPENDENT_EPS * torch.finfo(source).eps * S[0]
+    if batch_size is not None and b <= min(m, n) and S[b - 1] <= floor:
+        raise RankError(
+            f"batch_size={b} was given, but dL/dW has only {estimate} singular values above its "
+            f"rounding (s_{b} / s_1 = {float(S[b - 1] / S[0]):.1e}): the batch's inputs are linearly "
+            "dependent (rows sharing few one-hot categories, repeated samples), so no rank-based attack "
+            f"can separate its samples. At most {estimate} independent inputs are in this gradient."
         )
     from_gap = False
     if b >= min(m, n) and batch_size is None:

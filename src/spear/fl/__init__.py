@@ -13,18 +13,32 @@ from spear.fl.client import (
     simulate_fedsgd,
     simulate_round,
 )
-from spear.fl.models import INITS, feature_layer, fully_connected, shallow_mlp, small_cnn
+from spear.fl.models import (
+    INITS,
+    MODELS,
+    attackable_layers,
+    build_model,
+    feature_layer,
+    fully_connected,
+    shallow_mlp,
+    small_cnn,
+    small_vgg,
+    vgg,
+)
 from spear.fl.protocols import DPSGD, PROTOCOLS, FedAvg, FedSGD, Protocol, make_protocol
 
 __all__ = [
     "DPSGD",
     "INITS",
+    "MODELS",
     "PROTOCOLS",
     "ClientBatch",
     "FedAvg",
     "FedSGD",
     "Protocol",
     "ServerView",
+    "attackable_layers",
+    "build_model",
     "feature_layer",
     "fedsgd_gradients",
     "fully_connected",
@@ -35,4 +49,6 @@ __all__ = [
     "simulate_fedsgd",
     "simulate_round",
     "small_cnn",
+    "small_vgg",
+    "vgg",
 ]

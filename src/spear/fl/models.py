@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import torch
@@ -140,3 +141,129 @@ def feature_layer(model: nn.Sequential) -> str:
         if isinstance(module, nn.Linear):
             return name
     raise InputError("the model has no nn.Linear layer to attack")
+
+
+#: VGG-16's convolution stack (Simonyan & Zisserman 2015, configuration D): output channels of
+#: each 3x3 convolution, "M" a 2x2 max-pool
+VGG16 = (64, 64, "M", 128, 128, "M", 256, 256, 256, "M", 512, 512, 512, "M", 512, 512, 512, "M")
+#: the small VGG-style stack of ``--model cnn``: two blocks of two 3x3 convolutions
+SMALL_VGG = (16, 16, "M", 32, 32, "M")
+
+
+def vgg(
+    image_shape: tuple[int, int, int],
+    config: tuple[int | str, ...] = VGG16,
+    head: tuple[int, ...] = (4096, 4096),
+    classes: int = 1000,
+    *,
+    pool_to: tuple[int, int] | None = (7, 7),
+    seed: int = 0,
+    dtype: torch.dtype = torch.float64,
+) -> nn.Sequential:
+    """A VGG network without torchvision: 3x3 convolutions (padding 1) with ReLU and 2x2
+    max-pools as ``config`` lists them, an optional adaptive average pool to ``pool_to``, then
+    the classifier head ``Linear(features, head[0]) -> ReLU -> ... -> Linear(head[-1], classes)``.
+
+    The defaults are VGG-16's shapes (13 convolutions, a 512 x 7 x 7 = 25,088-feature head of
+    4096 -> 4096 -> 1000), the model of the paper's Table 6 and of the Cocktail Party Attack.
+    Like every client model here it takes flattened images (B, C*H*W). The attacked layer is the
+    head's first Linear (:func:`feature_layer`); its inputs, the conv features, are nonnegative
+    and sparse after ReLU and pooling.
+    """
+    channels, height, width = image_shape
+    pools = sum(1 for c in config if c == "M")
+    if min(channels, height, width) < 1 or min(height, width) < 2**pools:
+        raise InputError(
+            f"this VGG configuration pools {pools} times and needs images of at least {2**pools}x"
+            f"{2**pools} pixels, got {image_shape}"
+        )
+    if not head or min(head) < 2 or classes < 2:
+        raise InputError("the head needs at least one hidden layer of width >= 2, and classes >= 2")
+    torch.manual_seed(seed)
+    layers: list[nn.Module] = [nn.Unflatten(1, (channels, height, width))]
+    previous = channels
+    for entry in config:
+        if entry == "M":
+            layers.append(nn.MaxPool2d(2))
+        else:
+            layers += [nn.Conv2d(previous, int(entry), 3, padding=1), nn.ReLU()]
+            previous = int(entry)
+    if pool_to is not None:
+        layers.append(nn.AdaptiveAvgPool2d(pool_to))
+    layers.append(nn.Flatten())
+    features = nn.Sequential(*layers)(torch.zeros(1, channels * height * width)).shape[1]
+    sizes = (features, *head)
+    for i in range(len(head)):
+        layers += [nn.Linear(sizes[i], sizes[i + 1]), nn.ReLU()]
+    layers.append(nn.Linear(head[-1], classes))
+    return nn.Sequential(*layers).to(dtype)
+
+
+def small_vgg(
+    image_shape: tuple[int, int, int],
+    width: int = 200,
+    classes: int = 10,
+    *,
+    seed: int = 0,
+    dtype: torch.dtype = torch.float64,
+) -> nn.Sequential:
+    """``--model cnn``: a small VGG-style network for 28x28 to 64x64 images, two blocks of two
+    3x3 convolutions (16 and 32 channels) with max-pools, then VGG's three-layer head
+    ``Linear(features, width) -> ReLU -> Linear(width, width) -> ReLU -> Linear(width, classes)``.
+    MNIST gives 32 x 7 x 7 = 1,568 features."""
+    return vgg(image_shape, SMALL_VGG, (width, width), classes, pool_to=None, seed=seed, dtype=dtype)
+
+
+def build_model(
+    name: str,
+    input_shape: tuple[int, ...],
+    classes: int,
+    *,
+    width: int = 200,
+    depth: int = 6,
+    init: str = "default",
+    seed: int = 0,
+    dtype: torch.dtype = torch.float64,
+) -> nn.Sequential:
+    """The client model ``name`` of :data:`MODELS` for inputs of ``input_shape`` ((C, H, W) for
+    images, (F,) for tabular rows)."""
+    if name not in MODELS:
+        raise InputError(f"unknown model {name!r}; choose one of {', '.join(MODELS)}")
+    if name == "mlp":
+        features = math.prod(input_shape)
+        return fully_connected(features, width, depth, classes, init=init, seed=seed, dtype=dtype)
+    if len(input_shape) != 3:
+        raise InputError(
+            f"--model {name} needs image data (C, H, W); this data set has rows of {input_shape}"
+        )
+    if init != "default":
+        raise InputError(f"--init applies to --model mlp; {name} uses PyTorch's default initialisation")
+    return small_vgg(input_shape, width, classes, seed=seed, dtype=dtype)
+
+
+#: the client models the command line and the experiments build
+MODELS = {
+    "mlp": "fully connected ReLU network, --depth layers of --width (the paper's Sec. 6)",
+    "cnn": "small VGG: 2 x (two 3x3 convs, max-pool) -> Linear(features, --width) -> ReLU -> "
+    "Linear(--width, --width) -> ReLU -> Linear(--width, classes)",
+}
+
+
+def attackable_layers(model: nn.Module) -> dict[str, str]:
+    """Every ``nn.Linear`` of a (nested) sequential model with a ReLU on either side, mapped to
+    the sparsity SPEAR uses there: "output" when a ReLU follows it (dL/dZ sparse, the paper's
+    case), else "input" when a ReLU precedes it (its inputs are sparse; e.g. the output layer).
+    Layers with neither are left out: SPEAR has no sparsity to work with there."""
+    leaves = [(name, m) for name, m in model.named_modules() if next(m.children(), None) is None]
+    passive = (nn.Flatten, nn.Identity, nn.Dropout)
+    out: dict[str, str] = {}
+    for i, (name, module) in enumerate(leaves):
+        if not isinstance(module, nn.Linear):
+            continue
+        after = next((m for _, m in leaves[i + 1 :] if not isinstance(m, passive)), None)
+        before = next((m for _, m in reversed(leaves[:i]) if not isinstance(m, passive)), None)
+        if isinstance(after, nn.ReLU):
+            out[name] = "output"
+        elif isinstance(before, (nn.ReLU, nn.MaxPool2d)):
+            out[name] = "input"
+    return out

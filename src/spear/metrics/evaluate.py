@@ -8,7 +8,7 @@ import numpy as np
 import torch
 from scipy.optimize import linear_sum_assignment
 
-from spear.metrics.base import METRICS, Metric
+from spear.metrics.base import Metric, metrics_for
 from spear.metrics.image import batch_exact
 
 
@@ -45,11 +45,12 @@ def evaluate_batch(
     metrics: list[Metric] | None = None,
     exact_atol: float = 1e-6,
 ) -> BatchEvaluation:
-    """Match ``estimate`` to ``reference`` (both (B, C, H, W) in [0, 1]) and score every sample.
+    """Match ``estimate`` to ``reference`` (both (B, C, H, W) in [0, 1], or (B, n) rows with
+    ``metrics`` of that modality) and score every sample.
 
     The paper's accuracy: the batch is exact when every sample is within ``exact_atol``.
     """
-    metrics = metrics if metrics is not None else [cls() for cls in METRICS.values()]
+    metrics = metrics if metrics is not None else metrics_for("image")
     est_idx, ref_idx = match_samples(estimate, reference)
     ordered = torch.empty_like(reference)
     ordered[ref_idx] = estimate[est_idx].to(reference.dtype)

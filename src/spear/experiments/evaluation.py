@@ -1,0 +1,130 @@
+"""The evaluation side of an experiment: ground truth meets the attack's result.
+
+Three levels, each scored with the metrics of its modality after order-invariant matching:
+the attacked layer's inputs when they are hidden (features: cosine similarity, relative error),
+the data (images: PSNR/SSIM/MSE/LPIPS; tabular rows: TabLeak's accuracies and the decoded
+records), and, for feature inversion by optimization, the same inversion run from the *true*
+features: the ceiling any feature-level attack can reach through that inversion.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from spear.core.result import Reconstruction
+from spear.data import Dataset
+from spear.fl import ClientBatch, layer_inputs
+from spear.inversion import Inversion, InversionSettings, invert_features, layers_below
+from spear.metrics import batch_exact, evaluate_batch, match_samples, metrics_for
+
+NAN = float("nan")
+
+
+@dataclass
+class Evaluation:
+    record: dict[str, Any]  # JSON-ready entries of the experiment's record
+    matched: torch.Tensor | None  # the recovered data (images) in the truth's order
+
+
+def evaluate(
+    dataset: Dataset,
+    model: torch.nn.Module,
+    layer: str,
+    rec: Reconstruction,
+    inversion: Inversion | None,
+    secret: ClientBatch,
+    atol: float,
+    seed: int = 0,
+) -> Evaluation:
+    """Score ``rec`` (and the data taken back from it) against the client's batch. ``atol``: a
+    value counts as exact within this (image scale, or relative for features)."""
+    record: dict[str, Any] = {}
+    data_inputs, truth_features = rec.inputs, None
+    if layers_below(model, layer):
+        truth_features = layer_inputs(model, layer, secret.inputs).to(torch.float64)
+        record["features"] = _score_features(rec, truth_features, atol)
+        data_inputs = None if inversion is None else inversion.inputs
+        record["inversion"] = None if inversion is None else inversion.as_dict()
+        if inversion is not None and inversion.method == "optimization":
+            record["ceiling"] = _ceiling(dataset, model, layer, truth_features, secret, seed)
+    complete = data_inputs is not None and data_inputs.shape[0] == secret.inputs.shape[0]
+    if not complete:
+        record.update(_not_recovered(dataset, rec, secret, atol, truth_features))
+        return Evaluation(record, None)
+    scored = _score_data(dataset, data_inputs, secret, atol)
+    record.update(scored.record)
+    labels = label_accuracy(data_inputs, rec.labels, secret.inputs, secret.labels)
+    record["metrics"]["label_accuracy"] = labels
+    return Evaluation(record, scored.matched)
+
+
+def _score_features(rec: Reconstruction, truth: torch.Tensor, atol: float) -> dict[str, Any]:
+    """Feature metrics of the recovered layer inputs; a sample is exact when every feature is
+    within ``atol`` times the batch's largest true feature (at least 1) of the truth."""
+    if rec.inputs is None or rec.inputs.shape != truth.shape:
+        return {"metrics": {"feature_cosine": NAN, "feature_error": NAN, "accuracy": 0.0}, "exact_samples": 0}
+    scale = float(truth.abs().amax().clamp(min=1.0))
+    estimate = rec.inputs.to(torch.float64) / scale
+    return evaluate_batch(estimate, truth / scale, metrics_for("features"), exact_atol=atol).as_dict()
+
+
+def _score_data(dataset: Dataset, inputs: torch.Tensor, secret: ClientBatch, atol: float) -> Evaluation:
+    if dataset.modality == "tabular":
+        metrics = metrics_for("tabular", schema=dataset.schema)
+        result = evaluate_batch(inputs.to(torch.float64), secret.inputs.to(torch.float64), metrics, atol)
+        record = result.as_dict()
+        recovered = dataset.schema.decode(dataset.denormalize(result.matched_estimates))
+        true = dataset.schema.decode(secret.images)
+        record["decoded"] = [{"recovered": r, "true": t} for r, t in zip(recovered, true, strict=True)]
+        return Evaluation(record, None)
+    estimate = dataset.denormalize(inputs.cpu().to(torch.float64)).clamp(0, 1)
+    result = evaluate_batch(estimate, secret.images, exact_atol=atol)
+    return Evaluation(result.as_dict(), result.matched_estimates)
+
+
+def _ceiling(dataset, model, layer, truth_features, secret, seed) -> dict[str, Any]:
+    """The feature inversion run from the true features: what the attack's images could reach."""
+    below = torch.nn.Sequential(*(m for _, m in layers_below(model, layer))).eval()
+    settings = InversionSettings(seed=seed)
+    images = invert_features(below, truth_features, dataset.image_shape, dataset.normalize, settings)
+    return evaluate_batch(images, secret.images).as_dict()["metrics"]
+
+
+def _not_recovered(dataset, rec, secret, atol, truth_features) -> dict[str, Any]:
+    """The record of a batch not recovered: NaN metrics, and how many samples peeled one by one
+    are exact anyway (the data for the first layer, the features of a hidden one)."""
+    metrics = {m.name: NAN for m in _data_metrics(dataset)} | {"accuracy": 0.0, "label_accuracy": NAN}
+    exact = 0
+    if rec.certified_inputs is not None:
+        certified = rec.certified_inputs.to(torch.float64)
+        if truth_features is not None:
+            scale = float(truth_features.abs().amax().clamp(min=1.0))
+            truth, estimate = truth_features / scale, certified / scale
+        elif dataset.modality == "image":
+            truth, estimate = secret.images, dataset.denormalize(certified).clamp(0, 1)
+        else:
+            truth, estimate = secret.inputs.to(torch.float64), certified
+        est, ref = match_samples(estimate, truth)
+        exact = int(batch_exact(estimate[est], truth[ref], atol).sum())
+    batch = secret.inputs.shape[0]
+    return {"metrics": metrics, "exact_samples": exact, "batch_size": batch, "per_sample": {}}
+
+
+def _data_metrics(dataset: Dataset):
+    if dataset.modality == "tabular":
+        return metrics_for("tabular", schema=dataset.schema)
+    return metrics_for("image")
+
+
+def label_accuracy(
+    estimate: torch.Tensor, labels: torch.Tensor | None, truth: torch.Tensor, true_labels: torch.Tensor
+) -> float:
+    """Fraction of samples whose recovered label is the true one, after matching the inputs
+    (NaN when the attack recovered no labels)."""
+    if labels is None or estimate.shape[0] != truth.shape[0]:
+        return NAN
+    est, ref = match_samples(estimate.to(torch.float64), truth.to(torch.float64))
+    return float((labels.cpu()[est] == true_labels.cpu()[ref]).double().mean())

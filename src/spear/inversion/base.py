@@ -1,0 +1,72 @@
+"""The inversion interface: from a layer's recovered inputs back to the model's inputs."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from spear.core.result import Reconstruction
+from spear.errors import InputError
+
+
+@dataclass
+class Inversion:
+    """Model inputs (b, n_0) behind a recovered hidden batch.
+
+    ``verified`` is True only when they are proven: the unique solution of the server's own
+    gradients that reproduces the recovered (and verified) layer inputs. Optimization gives an
+    estimate, never verified. ``residual`` is the worst relative misfit of the equations used.
+    """
+
+    inputs: torch.Tensor
+    method: str  # "identity", "gradients" or "optimization"
+    verified: bool
+    residual: float = float("nan")
+    notes: list[str] = field(default_factory=list)
+
+    def as_dict(self) -> dict:
+        return {
+            "method": self.method,
+            "verified": self.verified,
+            "residual": self.residual,
+            "notes": list(self.notes),
+        }
+
+
+class Inverter(ABC):
+    """Recovers the model's inputs from the inputs of its layer ``layer`` (one concept, one
+    interface: every inversion method is one subclass)."""
+
+    name: str = "inverter"
+
+    @abstractmethod
+    def applies(self, model: nn.Module, layer: str) -> bool:
+        """Whether this method can invert the modules below ``layer``."""
+
+    @abstractmethod
+    def __call__(
+        self,
+        model: nn.Module,
+        layer: str,
+        gradients: Mapping[str, torch.Tensor],
+        reconstruction: Reconstruction,
+    ) -> Inversion:
+        """The model inputs behind ``reconstruction.inputs`` (the server's view only)."""
+
+
+def layers_below(model: nn.Module, layer: str) -> list[tuple[str, nn.Module]]:
+    """The leaf modules that run before ``layer``, in order, with their names: for (nested)
+    ``nn.Sequential`` models the network from the model's input to the layer's input."""
+    if layer not in dict(model.named_modules()):
+        raise InputError(f"model has no module named {layer!r}")
+    below: list[tuple[str, nn.Module]] = []
+    for name, module in model.named_modules():
+        if name == layer:
+            return below
+        if next(module.children(), None) is None:
+            below.append((name, module))
+    return below

@@ -9,10 +9,10 @@ from dataclasses import dataclass
 
 import pytest
 import torch
-from tests.conftest import make_client, match_rows
 
 import spear
 from spear.errors import InputError, NoSparsityError
+from tests.conftest import make_client, match_rows
 
 
 @dataclass
@@ -611,7 +611,7 @@ def test_working_dtype_float32_and_noisy_gradients_get_the_right_batch_size():
     buried = 1e-1 * GW.abs().max() * torch.randn(GW.shape, dtype=GW.dtype, generator=g)
     with pytest.raises(spear.RankError, match="below the 10 a noisy batch needs"):
         spear.reconstruct(W, bias, GW + buried, Gb)
-    with pytest.raises(NoSparsityError, match="batch_size=9 was given but the gradient's numerical rank"):
+    with pytest.raises(spear.RankError, match="batch_size=9 was given, but dL/dW has only 8 singular"):
         spear.reconstruct(*layer_args(batch), batch_size=9)
 
 

@@ -3,8 +3,9 @@
 Three levels, each scored with the metrics of its modality after order-invariant matching:
 the attacked layer's inputs when they are hidden (features: cosine similarity, relative error),
 the data (images: PSNR/SSIM/MSE/LPIPS; tabular rows: TabLeak's accuracies and the decoded
-records), and, for feature inversion by optimization, the same inversion run from the *true*
-features: the ceiling any feature-level attack can reach through that inversion.
+records), and, where the way back is feature inversion by optimization, the same inversion run
+from the *true* features (whether or not the attack recovered them): the ceiling any
+feature-level attack can reach through that inversion.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import torch
 from spear.core.result import Reconstruction
 from spear.data import Dataset
 from spear.fl import ClientBatch, layer_inputs
-from spear.inversion import Inversion, InversionSettings, invert_features, layers_below
+from spear.inversion import GradientInverter, Inversion, InversionSettings, invert_features, layers_below
 from spear.metrics import batch_exact, evaluate_batch, match_samples, metrics_for
 
 NAN = float("nan")
@@ -48,7 +49,7 @@ def evaluate(
         record["features"] = _score_features(rec, truth_features, atol)
         data_inputs = None if inversion is None else inversion.inputs
         record["inversion"] = None if inversion is None else inversion.as_dict()
-        if inversion is not None and inversion.method == "optimization":
+        if not GradientInverter().applies(model, layer) and dataset.modality == "image":
             record["ceiling"] = _ceiling(dataset, model, layer, truth_features, secret, seed)
     complete = data_inputs is not None and data_inputs.shape[0] == secret.inputs.shape[0]
     if not complete:

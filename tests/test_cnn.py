@@ -88,3 +88,4 @@ def test_cnn_experiment_reports_features_images_and_the_ceiling():
     assert record["inversion"]["method"] == "optimization" and not record["inversion"]["verified"]
     assert set(record["ceiling"]) >= {"psnr", "ssim", "lpips"}
     assert record["metrics"]["psnr"] > 5
+    assert record["data_verified"] is False  # features proven, images estimated

@@ -102,3 +102,25 @@ def test_experiment_record_of_a_hidden_layer():
     assert features["exact_samples"] == 10 and features["metrics"]["feature_cosine"] > 0.999
     assert record["inversion"]["method"] == "gradients" and record["inversion"]["verified"]
     assert record["metrics"]["accuracy"] == 1.0 and record["exact_samples"] == 10
+    assert record["data_verified"]
+
+
+def test_exact_inversion_refuses_what_it_cannot_invert(mnist):
+    """A ReLU on the raw input loses its negative entries (review: it used to come back
+    'verified' as relu(x)); a lower layer missing from the update cannot be solved."""
+    torch.manual_seed(0)
+    relu_first = torch.nn.Sequential(
+        torch.nn.ReLU(), torch.nn.Linear(784, 300), torch.nn.ReLU(), torch.nn.Linear(300, 300),
+        torch.nn.ReLU(), torch.nn.Linear(300, 10),
+    ).double()
+    assert not GradientInverter().applies(relu_first, "3")
+    view, _ = simulate_fedsgd(relu_first, mnist, 6, seed=0)
+    rec = _attack(relu_first, "3", view)
+    with pytest.raises(spear.InputError, match="with a Linear first"):
+        GradientInverter()(view.model, "3", view.gradients, rec)
+    model = fully_connected(784, 300, 4, seed=3)
+    view, _ = simulate_fedsgd(model, mnist, 8, seed=4)
+    rec = _attack(model, "2", view)
+    partial = {k: v for k, v in view.gradients.items() if k != "0.weight"}
+    with pytest.raises(spear.InputError, match=r"no gradient for \['0.weight'\]"):
+        GradientInverter()(view.model, "2", partial, rec)

@@ -110,3 +110,21 @@ def test_lpips_reports_nan_when_unavailable(monkeypatch):
     assert torch.isnan(LPIPS()(x, x)).all()
     result = evaluate_batch(x, x, [LPIPS(), MSE()])
     assert np.isnan(result.means["lpips"])
+
+
+def test_feature_metrics_match_a_numpy_reference():
+    from sklearn.metrics.pairwise import cosine_similarity
+
+    from spear.errors import InputError
+    from spear.metrics import FeatureCosine, FeatureError, metrics_for
+
+    g = torch.Generator().manual_seed(0)
+    truth = torch.rand(5, 30, generator=g, dtype=torch.float64)
+    estimate = truth + 0.1 * torch.randn(5, 30, generator=g, dtype=torch.float64)
+    expected_cos = np.diag(cosine_similarity(estimate.numpy(), truth.numpy()))
+    assert np.allclose(FeatureCosine()(estimate, truth).numpy(), expected_cos, atol=1e-12)
+    expected_err = np.linalg.norm(estimate - truth, axis=1) / np.linalg.norm(truth, axis=1)
+    assert np.allclose(FeatureError()(estimate, truth).numpy(), expected_err, atol=1e-12)
+    assert {m.name for m in metrics_for("features")} == {"feature_cosine", "feature_error"}
+    with pytest.raises(InputError, match=r"\(B, n\)"):
+        FeatureCosine()(estimate[None], truth[None])

@@ -53,6 +53,10 @@ def test_tableak_measures_against_a_hand_count():
     cat = CategoricalAccuracy(SCHEMA)(normalized(estimate), normalized(truth))
     num = NumericAccuracy(SCHEMA)(normalized(estimate), normalized(truth))
     assert cat.tolist() == [0.5, 1.0] and num.tolist() == [1.0, 0.5]
+    far = truth.clone()
+    far[:, 0] += 3 * 10.0  # every numeric value 3 std off: nothing within 0.319 std
+    far[:, 4] += 3 * 0.25
+    assert NumericAccuracy(SCHEMA)(normalized(far), normalized(truth)).tolist() == [0.0, 0.0]
 
 
 ADULT_LINES = [
@@ -67,9 +71,12 @@ ADULT_LINES = [
 
 def test_adult_loader_on_a_file_in_the_uci_format(tmp_path):
     path = tmp_path / "adult.test"
-    path.write_text("|1x3 Cross validator\n" + "\n".join(ADULT_LINES) + "\n")
+    header = "age,workclass,fnlwgt,education,education-num,marital-status,occupation,relationship,race,"
+    header += "sex,capital-gain,capital-loss,hours-per-week,native-country,income\n"
+    lines = [*ADULT_LINES[:2], ADULT_LINES[2].replace("Private", "Private  ")]  # stray spaces
+    path.write_text("|1x3 Cross validator\n" + header + "\n".join(lines) + "\n")
     ds = load_adult(path)
-    assert len(ds) == 2  # the row with '?' is dropped
+    assert len(ds) == 2  # the header line and the row with '?' are dropped
     assert ds.labels.tolist() == [0, 1]  # '>50K.' as adult.test writes it
     assert [c.name for c in ds.schema.columns][:3] == ["age", "workclass", "fnlwgt"]
     workclass = ds.schema.columns[1]
@@ -113,8 +120,15 @@ def test_adult_rows_are_recovered_exactly_and_decode_to_the_records(adult, batch
     assert as_rows(decoded) == as_rows(truth)
 
 
-def test_adult_experiment_record(adult):
-    record = run_experiment(ExperimentSettings(dataset="adult", batch_size=12, seed=4)).record
+def test_adult_experiment_record(adult, tmp_path):
+    from spear.experiments import summarize, write_result_dir
+
+    result = run_experiment(ExperimentSettings(dataset="adult", batch_size=12, seed=4))
+    record = result.record
+    written = write_result_dir(tmp_path, record, result.reconstruction_images, result.true_images)
+    assert sorted(p.name for p in written) == ["per_sample.csv", "result.json"]  # no image grid
+    summary = summarize([record])
+    assert summary["categorical_accuracy"]["mean"] == 1.0 and "psnr" not in summary
     assert record["verified"] and record["metrics"]["accuracy"] == 1.0
     assert record["metrics"]["categorical_accuracy"] == 1.0 and record["metrics"]["numeric_accuracy"] == 1.0
     pairs = record["decoded"]

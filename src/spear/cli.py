@@ -266,7 +266,11 @@ def attack(
     table.add_row("exact batch", "yes" if m["accuracy"] == 1.0 else "no")
     table.add_row("label accuracy", _fmt(m.get("label_accuracy")))
     verified_by = f" (by the {record['verified_by']})" if record.get("verified_by") else ""
-    table.add_row("verified", f"{record['verified']}{verified_by}")
+    if features:
+        table.add_row("layer inputs verified", f"{record['verified']}{verified_by}")
+        table.add_row("data verified", str(record["data_verified"]))
+    else:
+        table.add_row("verified", f"{record['verified']}{verified_by}")
     table.add_row("sigma", _fmt(record["sigma"], 6))
     table.add_row("residual", f"{record['residual']:.2e}")
     st = record["stats"]
@@ -346,11 +350,12 @@ def evaluate(
     table.add_column("metric")
     table.add_column("mean", justify="right")
     table.add_column("95% CI", justify="right")
-    for name in ("psnr", "ssim", "mse", "lpips", "label_accuracy", "seconds", "proposals"):
-        s = summary[name]
-        table.add_row(name, _fmt(s["mean"]), "n/a" if s["ci95"] is None else f"± {_fmt(s['ci95'])}")
+    for name, s in summary.items():
+        if isinstance(s, dict) and "ci95" in s:
+            table.add_row(name, _fmt(s["mean"]), "n/a" if s["ci95"] is None else f"± {_fmt(s['ci95'])}")
     acc = summary["accuracy"]
     table.add_row("accuracy", f"{acc['mean']:.0%}", f"[{acc['low']:.2f}, {acc['high']:.2f}]")
+    table.add_row("verified (data)", f"{summary['data_verified']}/{len(records)}", "")
     console.print(table)
 
 

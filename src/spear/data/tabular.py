@@ -167,9 +167,10 @@ def adult_path() -> Path:
 
 def load_adult(path: str | Path | None = None) -> TabularDataset:
     """UCI Adult (Becker & Kohavi 1996, CC BY 4.0): 6 numeric and 8 categorical columns, label
-    income > 50K. Rows with a missing value ('?') are dropped (30,162 of 32,561 remain in
-    ``adult.data``); categories are the ones present, sorted. ``path``: your own ``adult.data``
-    (the UCI file, or ``adult.test`` whose labels end in '.')."""
+    income > 50K. Rows with a missing value ('?'), a non-numeric numeric field or too few columns
+    (a header line) are dropped (30,162 of 32,561 remain in ``adult.data``); values are stripped
+    of surrounding spaces; categories are the ones present, sorted. ``path``: your own
+    ``adult.data`` (the UCI file, or ``adult.test`` whose labels end in '.')."""
     try:
         import pandas as pd
     except ImportError as exc:
@@ -178,7 +179,16 @@ def load_adult(path: str | Path | None = None) -> TabularDataset:
     if not path.exists():
         raise InputError(f"{path} does not exist; pass the path of adult.data")
     names = [name for name, _ in ADULT_COLUMNS] + ["income"]
-    table = pd.read_csv(path, header=None, names=names, skipinitialspace=True, na_values="?", comment="|")
+    try:
+        table = pd.read_csv(
+            path, header=None, names=names, skipinitialspace=True, na_values="?", comment="|", dtype=str
+        )
+    except (ValueError, pd.errors.ParserError) as exc:
+        raise InputError(f"{path} is not a UCI Adult file (15 comma-separated columns): {exc}") from exc
+    table = table.apply(lambda column: column.str.strip()).replace({"?": None, "": None})
+    for name, kind in ADULT_COLUMNS:
+        if kind == "numeric":  # a header line or a malformed value is not a row
+            table[name] = pd.to_numeric(table[name], errors="coerce")
     table = table.dropna().reset_index(drop=True)
     if table.empty:
         raise InputError(f"{path} holds no complete Adult rows")

@@ -53,7 +53,11 @@ def evaluate(
             record["ceiling"] = _ceiling(dataset, model, layer, truth_features, secret, seed)
     complete = data_inputs is not None and data_inputs.shape[0] == secret.inputs.shape[0]
     if not complete:
-        record.update(_not_recovered(dataset, rec, secret, atol, truth_features))
+        missing = _not_recovered(dataset, rec, secret, atol, truth_features)
+        if truth_features is not None:  # the certified samples are features, not data
+            record["features"]["exact_samples"] = missing["exact_samples"]
+            missing["exact_samples"] = 0
+        record.update(missing)
         return Evaluation(record, None)
     scored = _score_data(dataset, data_inputs, secret, atol)
     record.update(scored.record)
@@ -88,7 +92,7 @@ def _score_data(dataset: Dataset, inputs: torch.Tensor, secret: ClientBatch, ato
 
 def _ceiling(dataset, model, layer, truth_features, secret, seed) -> dict[str, Any]:
     """The feature inversion run from the true features: what the attack's images could reach."""
-    below = torch.nn.Sequential(*(m for _, m in layers_below(model, layer))).eval()
+    below = torch.nn.Sequential(*(m for _, m in layers_below(model, layer)))
     settings = InversionSettings(seed=seed)
     images = invert_features(below, truth_features, dataset.image_shape, dataset.normalize, settings)
     return evaluate_batch(images, secret.images).as_dict()["metrics"]

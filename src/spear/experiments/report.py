@@ -72,13 +72,16 @@ def save_grid(
 
 
 def write_result_dir(
-    out: Path, record: dict, reconstruction: torch.Tensor | None, truth: torch.Tensor
+    out: Path, record: dict, reconstruction: torch.Tensor | None, truth: torch.Tensor | None
 ) -> list[Path]:
+    """result.json, grid.png (image data only: ``truth`` None skips it; tabular records are in
+    result.json's ``decoded``) and per_sample.csv."""
     out.mkdir(parents=True, exist_ok=True)
     written = []
     (out / "result.json").write_text(json.dumps(json_safe(record), indent=2, allow_nan=False))
     written.append(out / "result.json")
-    written.append(save_grid(out / "grid.png", reconstruction, truth))
+    if truth is not None:
+        written.append(save_grid(out / "grid.png", reconstruction, truth))
     per_sample = record.get("per_sample") or {}
     with open(out / "per_sample.csv", "w", newline="") as fh:
         writer = csv.writer(fh)

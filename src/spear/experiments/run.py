@@ -198,7 +198,7 @@ def run_experiment(settings: ExperimentSettings, progress=None) -> ExperimentRes
     )
     rec = protocol.certify(view.model, view.gradients, rec)
     inversion = None
-    if layers_below(view.model, layer) and rec.inputs is not None:
+    if layers_below(view.model, layer) and rec.inputs is not None and rec.grad_outputs is not None:
         inversion = invert_to_inputs(
             view.model,
             layer,
@@ -222,6 +222,9 @@ def run_experiment(settings: ExperimentSettings, progress=None) -> ExperimentRes
         **evaluation.record,
         "verified": rec.verified,
         "verified_by": rec.verified_by,
+        # the client's data proven: the first layer's inputs are the data; a hidden layer's
+        # data is proven only by an exact inversion that verified
+        "data_verified": rec.verified if inversion is None else inversion.verified,
         "labels": None if rec.labels is None else rec.labels.tolist(),
         "multiplicities": None if rec.multiplicities is None else rec.multiplicities.tolist(),
         "reduction": rec.reduction,

@@ -14,7 +14,10 @@ from scipy import stats
 from spear.experiments.report import dumps
 from spear.experiments.run import ExperimentSettings, run_experiment
 
-SUMMARY_METRICS = ("psnr", "ssim", "mse", "lpips")
+#: the data-level metrics summarized, by modality (whichever the records carry)
+SUMMARY_METRICS = ("psnr", "ssim", "mse", "lpips", "categorical_accuracy", "numeric_accuracy")
+#: the feature-level metrics of a hidden or CNN feature layer
+FEATURE_METRICS = ("feature_cosine", "feature_error")
 
 
 def load_results(path: Path, settings_key: str | None = None) -> list[dict]:
@@ -83,13 +86,18 @@ def summarize(records: list[dict]) -> dict:
     recovered batches with its 95% Clopper-Pearson interval."""
     out: dict = {"batches": len(records)}
     for name in SUMMARY_METRICS:
-        out[name] = _mean_ci([r["metrics"].get(name) for r in records])
+        if any(name in r["metrics"] for r in records):
+            out[name] = _mean_ci([r["metrics"].get(name) for r in records])
+    for name in FEATURE_METRICS:
+        if any(r.get("features") for r in records):
+            out[name] = _mean_ci([(r.get("features") or {}).get("metrics", {}).get(name) for r in records])
     exact = sum(1 for r in records if r["metrics"].get("accuracy") == 1.0)
     if records:
         ci = stats.binomtest(exact, len(records)).proportion_ci(0.95, method="exact")
         out["accuracy"] = {"mean": exact / len(records), "low": ci.low, "high": ci.high, "n": len(records)}
     out["label_accuracy"] = _mean_ci([r["metrics"].get("label_accuracy") for r in records])
     out["verified"] = sum(1 for r in records if r.get("verified"))
+    out["data_verified"] = sum(1 for r in records if r.get("data_verified", r.get("verified")))
     out["seconds"] = _mean_ci([r["stats"]["seconds"] for r in records])
     out["proposals"] = _mean_ci([r["stats"]["proposals"] for r in records])
     return out

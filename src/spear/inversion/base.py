@@ -58,6 +58,15 @@ class Inverter(ABC):
         """The model inputs behind ``reconstruction.inputs`` (the server's view only)."""
 
 
+def recovered_inputs(reconstruction: Reconstruction, needs_gradients: bool = False) -> torch.Tensor:
+    """The reconstruction's layer inputs, or a clear error when the attack recovered none."""
+    if reconstruction is None or reconstruction.inputs is None:
+        raise InputError("the reconstruction holds no recovered batch (inputs is None): nothing to invert")
+    if needs_gradients and reconstruction.grad_outputs is None:
+        raise InputError("the exact inversion needs the recovered output gradients (grad_outputs)")
+    return reconstruction.inputs
+
+
 def layers_below(model: nn.Module, layer: str) -> list[tuple[str, nn.Module]]:
     """The leaf modules that run before ``layer``, in order, with their names: for (nested)
     ``nn.Sequential`` models the network from the model's input to the layer's input."""

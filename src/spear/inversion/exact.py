@@ -19,7 +19,8 @@ import torch
 from torch import nn
 
 from spear.core.result import Reconstruction
-from spear.inversion.base import Inversion, Inverter, layers_below
+from spear.errors import InputError
+from spear.inversion.base import Inversion, Inverter, layers_below, recovered_inputs
 
 #: modules the exact inversion passes through unchanged
 PASS_THROUGH = (nn.Identity, nn.Flatten, nn.Dropout)
@@ -48,7 +49,12 @@ class GradientInverter(Inverter):
         self.rtol = rtol
 
     def applies(self, model: nn.Module, layer: str) -> bool:
-        return all(isinstance(m, (nn.Linear, nn.ReLU, *PASS_THROUGH)) for _, m in layers_below(model, layer))
+        """Only Linear, ReLU and pass-through modules below ``layer``, and a Linear first (a ReLU
+        applied to the raw input would lose its negative entries: not invertible)."""
+        below = [m for _, m in layers_below(model, layer) if not isinstance(m, PASS_THROUGH)]
+        if not below:
+            return True
+        return isinstance(below[0], nn.Linear) and all(isinstance(m, (nn.Linear, nn.ReLU)) for m in below)
 
     def __call__(
         self,
@@ -57,9 +63,15 @@ class GradientInverter(Inverter):
         gradients: Mapping[str, torch.Tensor],
         reconstruction: Reconstruction,
     ) -> Inversion:
+        if not self.applies(model, layer):
+            raise InputError(
+                f"the exact inversion needs only Linear and ReLU layers below {layer!r}, with a Linear "
+                "first; use feature inversion (spear.inversion.FeatureInverter) for this model"
+            )
         below = layers_below(model, layer)
+        _check_gradients(below, gradients)
         modules = dict(model.named_modules())
-        hidden = reconstruction.inputs.to(torch.float64)
+        hidden = recovered_inputs(reconstruction, needs_gradients=True).to(torch.float64)
         if not below:
             return Inversion(hidden, "identity", reconstruction.verified, 0.0)
         rtol = self.rtol or _rtol(gradients)
@@ -134,6 +146,17 @@ def _solve_linear(
         active = torch.where(relu.certain, relu.active, pre > 0)
         grad_z = relu.grad_above * active
     return _Step(inputs, grad_z, residual, determined)
+
+
+def _check_gradients(below: list[tuple[str, nn.Module]], gradients: Mapping[str, torch.Tensor]) -> None:
+    """A clear error when the update lacks a lower linear layer's weight gradient."""
+    linear = [name for name, m in below if isinstance(m, nn.Linear)]
+    missing = [f"{name}.weight" for name in linear if f"{name}.weight" not in gradients]
+    if missing:
+        raise InputError(
+            f"the update has no gradient for {missing}: the exact inversion solves each lower layer's "
+            "weight gradient (a frozen or omitted layer cannot be inverted this way)"
+        )
 
 
 def _forward(below: list[tuple[str, nn.Module]], inputs: torch.Tensor, hidden: torch.Tensor) -> float:

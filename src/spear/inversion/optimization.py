@@ -19,7 +19,7 @@ from torch import nn
 
 from spear.core.result import Reconstruction
 from spear.errors import InputError
-from spear.inversion.base import Inversion, Inverter, layers_below
+from spear.inversion.base import Inversion, Inverter, layers_below, recovered_inputs
 
 
 @dataclass(frozen=True)
@@ -94,13 +94,14 @@ class FeatureInverter(Inverter):
         gradients: Mapping[str, torch.Tensor],
         reconstruction: Reconstruction,
     ) -> Inversion:
-        below = nn.Sequential(*(m for _, m in layers_below(model, layer))).eval()
-        features = reconstruction.inputs
+        below = nn.Sequential(*(m for _, m in layers_below(model, layer)))
+        features = recovered_inputs(reconstruction)
         images = invert_features(below, features, self.image_shape, self.to_inputs, self.settings)
         inputs = self.to_inputs(images).to(torch.float64)
         with torch.no_grad():
-            out = below(inputs.to(reconstruction.inputs.dtype))
-        target = reconstruction.inputs.to(out.dtype)
+            dtype = next((p.dtype for p in below.parameters()), torch.float64)
+            out = below(inputs.to(dtype))
+        target = features.to(out.dtype)
         misfit = float((out - target).norm() / target.norm().clamp(min=1e-30))
         note = "images estimated by feature inversion (optimization, total-variation prior): not verified"
         return Inversion(inputs, self.name, False, misfit, [note])

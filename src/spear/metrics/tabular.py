@@ -1,6 +1,9 @@
 """TabLeak's measures of a reconstructed table (Vero et al. 2023): per row, the fraction of
 categorical columns decoded to the true category and the fraction of numeric columns within
-0.319 standard deviations of the truth."""
+0.319 standard deviations of the truth.
+
+Both take *normalized* rows (the model's inputs: numeric columns standardized, so one unit is
+one standard deviation of the data set; one-hot blocks as they are), matched to the truth."""
 
 from __future__ import annotations
 
@@ -21,8 +24,8 @@ class _TabularMetric(Metric):
         raise NotImplementedError
 
     def __call__(self, estimate: torch.Tensor, reference: torch.Tensor) -> torch.Tensor:
-        """Per row: the fraction of this kind's columns recovered (inputs: encoded rows (B, F),
-        i.e. denormalized, matched)."""
+        """Per row: the fraction of this kind's columns recovered (inputs: normalized rows (B, F),
+        matched)."""
         self.check(estimate, reference)
         spans = [(c, s) for c, s in self.schema.slices() if c.kind == self.kind]
         if not spans:
@@ -43,10 +46,11 @@ class CategoricalAccuracy(_TabularMetric):
 
 @register
 class NumericAccuracy(_TabularMetric):
-    """Fraction of numeric columns within ``tolerance`` standard deviations of the truth."""
+    """Fraction of numeric columns within ``tolerance`` standard deviations of the truth (in
+    normalized rows, ``tolerance`` units)."""
 
     name = "numeric_accuracy"
     kind = "numeric"
 
     def _correct(self, estimate, reference, column, span):
-        return (estimate[:, span.start] - reference[:, span.start]).abs() <= self.tolerance * column.std
+        return (estimate[:, span.start] - reference[:, span.start]).abs() <= self.tolerance

@@ -231,6 +231,9 @@ class CandidatePool:
     dtype: torch.dtype = torch.float64
     device: torch.device | str = "cpu"
     untrusted_limit: int | None = None  # default 2 * batch_size
+    #: directions at least this parallel are one (default ``DUPLICATE_COS``); a noisy gradient
+    #: gives each column many slightly different zero sets, hence near-parallel copies
+    duplicate_cos: float = 0.0
     directions: torch.Tensor = field(init=False)
     zero_masks: torch.Tensor = field(init=False)
     zero_counts: torch.Tensor = field(init=False)
@@ -291,7 +294,7 @@ class CandidatePool:
             if len(self):
                 cos = (self.directions @ q).abs()
                 j = int(cos.argmax())
-                if float(cos[j]) >= DUPLICATE_COS:
+                if float(cos[j]) >= (self.duplicate_cos or DUPLICATE_COS):
                     self.certified[j] |= sure
                     continue
             self.directions = torch.cat([self.directions, q[None]])

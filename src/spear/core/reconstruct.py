@@ -246,6 +246,21 @@ class AttackSetup:
         return (inputs, grad_outputs), check
 
 
+#: in a noisy gradient, candidates within this many noise ratios of each other (in angle) are
+#: copies of one column found through different noisy zero sets; at least 1 - 1e-4 in cosine
+NOISY_DUPLICATE_SPREAD = 3.0
+
+
+def noisy_duplicate_cos(split: LowRankSplit) -> float:
+    """The cosine above which two candidates of a noisy gradient are one direction: each column
+    is found many times through slightly different noisy zero sets, and the greedy selection
+    must not take copies of one sample for several. 0 (the pool's default) for exact gradients."""
+    if not split.noisy:
+        return 0.0
+    angle = NOISY_DUPLICATE_SPREAD * split.noise_ratio
+    return 1.0 - max(1e-4, 0.5 * angle**2)
+
+
 def noise_note(setup: AttackSetup) -> str | None:
     """What a noisy gradient (rank above the batch) means for the result, or None."""
     split = setup.split
@@ -277,7 +292,13 @@ class _Attack:
         opts = setup.options
         factor = setup.problem.sparse_factor
         self.proposer = make_proposer(opts.proposer, opts.chunk_size)
-        self.pool = CandidatePool(setup.b, factor.shape[0], dtype=factor.dtype, device=factor.device)
+        self.pool = CandidatePool(
+            setup.b,
+            factor.shape[0],
+            dtype=factor.dtype,
+            device=factor.device,
+            duplicate_cos=noisy_duplicate_cos(setup.split),
+        )
         self.peeler = setup.make_peeler()
         self.peeled = PeeledSamples.empty(
             setup.b,
@@ -305,6 +326,7 @@ class _Attack:
             problem=setup.problem,
             zero_rtol=setup.tol.zero_rtol,
             deadline=setup.deadline,
+            noisy=setup.split.noisy,
         )
         self.search = ResidualSearch(root)
         self.search.follows_peeling = self.peeler is not None

@@ -149,6 +149,7 @@ class ResidualSearch:
                 known=self.root.known,
                 zero_rtol=self.root.zero_rtol,
                 deadline=self.root.deadline,
+                noisy=self.root.noisy,
             )
             self._peeled_at_move = len(peeled)
         elif self.basis is not None and changed:

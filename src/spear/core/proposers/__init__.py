@@ -10,6 +10,7 @@ from spear.core.proposers.base import DirectionProposer, ProposalBatch, Proposal
 from spear.core.proposers.guided import GuidedSampler
 from spear.core.proposers.neurons import NeuronGuidedSampler
 from spear.core.proposers.next_layer import NextLayerProposer
+from spear.core.proposers.noisy import NoisySubmatrixSampler
 from spear.core.proposers.sampling import RandomSubmatrixSampler
 from spear.core.proposers.sparse_recovery import SparseRecoveryProposer
 
@@ -20,6 +21,7 @@ PROPOSERS = {
     "guided": GuidedSampler,
     "neurons": NeuronGuidedSampler,
     "next_layer": NextLayerProposer,
+    "noisy": NoisySubmatrixSampler,
     "auto": AutoProposer,
 }
 
@@ -30,6 +32,7 @@ __all__ = [
     "GuidedSampler",
     "NeuronGuidedSampler",
     "NextLayerProposer",
+    "NoisySubmatrixSampler",
     "ProposalBatch",
     "ProposalContext",
     "RandomSubmatrixSampler",

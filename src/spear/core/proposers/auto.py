@@ -39,6 +39,11 @@ class AutoProposer(DirectionProposer):
     last samples go to the random sampler. Progress is judged by ``ctx.known``, which counts
     the directions of the whole attack.
 
+    The paper's noise-robust sampler (:class:`NoisySubmatrixSampler`, ``proposer="noisy"``) is
+    not in the schedule: on DP-noised gradients the schedule above, with near-parallel copies of
+    a column counted once (:func:`spear.core.reconstruct.noisy_duplicate_cos`), recovers as much
+    and faster (measured in the README's Protocols section).
+
     The schedule depends only on what was found, never on timing, so runs are reproducible.
     """
 

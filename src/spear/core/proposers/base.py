@@ -39,6 +39,9 @@ class ProposalContext:
             rounding noise, for proposers that test kernels and zeros themselves.
         deadline: the attack's time budget; a proposer whose call loops over chunks stops
             between them once it has passed (:mod:`spear.core.deadline`).
+        noisy: the gradient carries noise (its rank exceeds the batch,
+            :attr:`spear.core.lowrank.LowRankSplit.noisy`): exact zeros are blurred to
+            ``zero_rtol``, and proposers that need exact kernels give way to the noise-robust one.
     """
 
     L: torch.Tensor
@@ -52,6 +55,7 @@ class ProposalContext:
     key: int = field(default_factory=itertools.count().__next__)
     zero_rtol: float = 1e-9
     deadline: Deadline = NEVER
+    noisy: bool = False
 
     @property
     def rows(self) -> int:

@@ -167,7 +167,7 @@ PretrainOpt = Annotated[
 SingleOpt = Annotated[bool, typer.Option(help="all samples of one label (heterogeneous client)")]
 PfrOpt = Annotated[float, typer.Option(help="false-rejection rate p_fr (sets tau)")]
 ProposerOpt = Annotated[
-    str, typer.Option(help="direction proposer: auto, sampling, irls, guided, neurons, next_layer")
+    str, typer.Option(help="direction proposer: auto, sampling, irls, guided, neurons, next_layer, noisy")
 ]
 DtypeOpt = Annotated[
     str | None,

@@ -82,3 +82,13 @@ def test_dp_noise_recovers_every_sample_to_within_the_noise():
     est, ref = match_rows(rec.inputs, secret.inputs)
     error = (rec.inputs[est] - secret.inputs[ref]).abs().amax(dim=1) / secret.inputs.abs().max()
     assert float(error.max()) < 5e-2, error
+
+
+def test_the_noisy_sampler_on_an_exact_gradient_is_exact(noisy_client):
+    """Review: its pre-filter counted zeros at the exact gradient's 1e-9 in float32 proposals,
+    so nothing survived and the attack raised NoSparsityError."""
+    view, _, secret = noisy_client
+    rec = spear.attack_layer(view.model, "0", view.gradients, max_proposals=50_000, seed=0, proposer="noisy")
+    assert rec.verified
+    est, ref = match_rows(rec.inputs, secret.inputs)
+    assert float((rec.inputs[est] - secret.inputs[ref]).abs().max()) < 1e-9

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from spear.core.proposers.base import DirectionProposer, ProposalBatch, ProposalContext, hint_cost
-from spear.core.proposers.sampling import PREFILTER_ROWS, prefilter_count, sample_row_subsets
+from spear.core.proposers.sampling import PREFILTER_ROWS, PREFILTER_RTOL, prefilter_count, sample_row_subsets
 
 #: the rank filter: the smallest singular value of ``L_A`` must be below this fraction of the
 #: second smallest (the paper keeps "matrices L_A of rank exactly b-1")
@@ -62,7 +62,9 @@ class NoisySubmatrixSampler(DirectionProposer):
         else:
             L_check = L
         magnitude = (q @ L_check.T).abs()
-        zeros = (magnitude <= magnitude.amax(dim=1, keepdim=True) * ctx.zero_rtol).sum(dim=1)
+        # zeros at the noise-widened band, but never below what the proposal dtype can resolve
+        zero_rtol = max(ctx.zero_rtol, PREFILTER_RTOL.get(L.dtype, 1e-3))
+        zeros = (magnitude <= magnitude.amax(dim=1, keepdim=True) * zero_rtol).sum(dim=1)
         keep = ranked & (zeros >= prefilter_count(ctx.threshold_count, rows, L_check.shape[0]))
         keep &= torch.isfinite(q).all(dim=1)
         kept_idx = idx[keep]

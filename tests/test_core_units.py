@@ -2,7 +2,6 @@
 
 import pytest
 import torch
-from tests.conftest import assert_exact, make_client
 
 from spear.core.filtering import CandidatePool, snap_and_filter, zero_mask
 from spear.core.greedy import greedy_filter, score, sparsest_basis, swap_sigmas
@@ -12,6 +11,7 @@ from spear.core.proposers.sampling import sample_row_subsets
 from spear.core.scale import LayerProblem
 from spear.core.verify import verify
 from spear.errors import RankError
+from tests.conftest import assert_exact, make_client
 
 
 def true_directions(client, split):

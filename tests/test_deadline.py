@@ -6,8 +6,6 @@ No test here waits on the clock: a deadline in the past has passed, one at None 
 import time
 
 import torch
-from tests.conftest import make_client
-from tests.test_peeling import _client, _peeler
 
 import spear
 from spear.core.deadline import NEVER, Deadline
@@ -15,6 +13,8 @@ from spear.core.filtering import zero_mask
 from spear.core.greedy import greedy_filter, sparsest_basis
 from spear.core.proposers import ProposalContext
 from spear.core.proposers.next_layer import NextLayerProposer
+from tests.conftest import make_client
+from tests.test_peeling import _client, _peeler
 
 PASSED = Deadline(0.0)
 

@@ -3,7 +3,6 @@
 
 import pytest
 import torch
-from tests.conftest import assert_exact
 
 import spear
 from spear.core.consistency import Tolerances
@@ -13,6 +12,7 @@ from spear.core.lowrank import low_rank_split
 from spear.core.peeling import PeeledSamples, mutually_consistent, residual_problem
 from spear.core.proposers import ProposalContext
 from spear.core.scale import LayerProblem
+from tests.conftest import assert_exact
 
 TOL = Tolerances.for_dtype(torch.float64)
 

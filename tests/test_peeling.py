@@ -3,7 +3,6 @@ smaller SPEAR problem (spear.core.peeling)."""
 
 import pytest
 import torch
-from tests.conftest import TrueColumns, assert_exact
 
 import spear
 from spear.core.filtering import zero_mask
@@ -15,6 +14,7 @@ from spear.core.peeling import (
     residual_problem,
 )
 from spear.core.scale import LayerProblem
+from tests.conftest import TrueColumns, assert_exact
 
 RTOL = 1e-8  # the float64 verification tolerance
 

@@ -2,7 +2,6 @@
 
 import pytest
 import torch
-from tests.conftest import assert_exact, make_client
 
 import spear
 from spear.core.filtering import snap_and_filter, zero_mask
@@ -21,6 +20,7 @@ from spear.core.proposers import (
 from spear.core.proposers.sparse_recovery import irls_sphere
 from spear.core.scale import LayerProblem
 from spear.theory import sparsity_threshold_count
+from tests.conftest import assert_exact, make_client
 
 
 def fresh_context(problem, seed):

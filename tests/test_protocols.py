@@ -7,7 +7,6 @@ import json
 import pytest
 import torch
 from flwr.common import ndarrays_to_parameters
-from tests.conftest import assert_exact
 from typer.testing import CliRunner
 
 import spear
@@ -19,6 +18,7 @@ from spear.fl import DPSGD, FedAvg, FedSGD, fully_connected, simulate_fedsgd, si
 from spear.fl.flower import AuditingFedAvg, LocalTrainingClient, run_fit_rounds
 from spear.fl.protocols import ClippedWeights
 from spear.fl.protocols.dpsgd import OPACUS_NORM_EPS
+from tests.conftest import assert_exact
 
 
 @pytest.fixture(scope="module")

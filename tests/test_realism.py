@@ -7,13 +7,13 @@ recovery after order-invariant matching; work is bounded by proposals, never by 
 
 import pytest
 import torch
-from tests.conftest import assert_exact
 
 import spear
 from spear.data import load_dataset
 from spear.errors import InputError
 from spear.fl import feature_layer, fully_connected, layer_inputs, pretrain, simulate_fedsgd, small_cnn
 from spear.metrics import match_samples
+from tests.conftest import assert_exact
 
 
 def attack(model, layer, dataset, b, seed):

@@ -5,10 +5,10 @@ import itertools
 import numpy as np
 import pytest
 import torch
-from tests.conftest import assert_exact, make_client
 
 import spear
 from spear.errors import InputError, NoSparsityError, RankError, SpearError
+from tests.conftest import assert_exact, make_client
 
 CASES = [
     # (b, width, depth, seed, normalized images)

@@ -3,13 +3,13 @@
 
 import pytest
 import torch
-from tests.conftest import assert_exact
 
 import spear
 from spear.data import load_dataset
 from spear.errors import InputError
 from spear.fl import shallow_mlp, simulate_fedsgd
 from spear.metrics import match_samples
+from tests.conftest import assert_exact
 
 
 def test_shallow_mlp_is_the_papers_setting():

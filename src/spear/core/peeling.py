@@ -44,6 +44,7 @@ import torch
 
 from spear.core.deadline import NEVER, Deadline
 from spear.core.filtering import ESSENTIAL_ROW_TOL, kernel_of_rows
+from spear.core.linalg import lstsq
 from spear.core.lowrank import leading_svd, numerical_rank
 from spear.core.proposers.base import orthogonal_complement
 from spear.core.scale import LayerProblem
@@ -256,7 +257,7 @@ class SamplePeeler:
         scale_row = torch.cat([self.c, self.c.new_zeros(1)]) * self.scale_weight
         system = torch.cat([system, scale_row.expand(k, 1, -1)], dim=1)
         rhs = torch.cat([-bias.unsqueeze(0) * active, self.c.new_full((k, 1), self.scale_weight)], dim=1)
-        solution = torch.linalg.lstsq(system, rhs.unsqueeze(-1)).solution[:, :, 0]
+        solution = lstsq(system, rhs.unsqueeze(-1))[:, :, 0]
         r, s = solution[:, :b], solution[:, b]
         z = r @ self.WRt.T + bias  # (k, m) pre-activations of the recovered samples
         activation = s.unsqueeze(-1) * a
@@ -359,7 +360,7 @@ class SamplePeeler:
             act = active[part].to(L.dtype)
             grad = (duals[part] @ L.T) * act  # dL/dZ_j on the active rows, (p, m)
             system = self.back.unsqueeze(0) * act.unsqueeze(-1)
-            w = torch.linalg.lstsq(system, grad.unsqueeze(-1)).solution[:, :, 0]  # (p, r)
+            w = lstsq(system, grad.unsqueeze(-1))[:, :, 0]  # (p, r)
             misfit = (system @ w.unsqueeze(-1))[:, :, 0] - grad
             ok = misfit.norm(dim=1) <= self.rtol * grad.norm(dim=1)
             out[part] = torch.where(ok.unsqueeze(-1), w @ self.U2.T, torch.zeros_like(out[part]))

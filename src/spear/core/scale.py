@@ -16,6 +16,8 @@ from typing import Literal
 
 import torch
 
+from spear.core.linalg import lstsq
+
 SparsityMode = Literal["output", "input"]
 
 #: a disaggregation matrix whose singular values spread more than this is treated as singular
@@ -50,7 +52,7 @@ class LayerProblem:
     R_Wt: torch.Tensor = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
-        pinv_db = torch.linalg.lstsq(self.L, self.grad_bias[:, None]).solution[:, 0]
+        pinv_db = lstsq(self.L, self.grad_bias[:, None])[:, 0]
         object.__setattr__(self, "pinv_grad_bias", pinv_db)
         object.__setattr__(self, "R_Wt", self.R @ self.weight.T)
 

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from spear.core.linalg import lstsq
 from spear.core.result import Reconstruction
 from spear.errors import InputError
 from spear.inversion.base import Inversion, Inverter, layers_below, recovered_inputs
@@ -132,7 +133,7 @@ def _solve_linear(
     rows = torch.ones(grad_z.shape[1], dtype=torch.bool) if relu is None else relu.certain.all(dim=0)
     grad_w = gradients[prefix + "weight"].to(torch.float64)[rows]
     used = grad_z[:, rows]
-    inputs = torch.linalg.lstsq(used.T, grad_w).solution
+    inputs = lstsq(used.T, grad_w)
     singular = torch.linalg.svdvals(used)
     determined = used.shape[0] <= used.shape[1] and bool(singular[-1] > RANK_RTOL * singular[0])
     residual = _relative(used.T @ inputs, grad_w)

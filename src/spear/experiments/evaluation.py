@@ -78,7 +78,7 @@ def _score_features(rec: Reconstruction, truth: torch.Tensor, atol: float) -> di
 
 def _score_data(dataset: Dataset, inputs: torch.Tensor, secret: ClientBatch, atol: float) -> Evaluation:
     if dataset.modality == "tabular":
-        metrics = metrics_for("tabular", schema=dataset.schema)
+        metrics = _data_metrics(dataset)
         result = evaluate_batch(inputs.to(torch.float64), secret.inputs.to(torch.float64), metrics, atol)
         record = result.as_dict()
         recovered = dataset.schema.decode(dataset.denormalize(result.matched_estimates))

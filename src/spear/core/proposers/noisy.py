@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from spear.core.proposers.base import DirectionProposer, ProposalBatch, ProposalContext, hint_cost
-from spear.core.proposers.sampling import PREFILTER_ROWS, PREFILTER_RTOL, prefilter_count, sample_row_subsets
+from spear.core.proposers.sampling import PREFILTER_RTOL, hinted_batch, prefilter, sample_row_subsets
 
 #: the rank filter: the smallest singular value of ``L_A`` must be below this fraction of the
 #: second smallest (the paper keeps "matrices L_A of rank exactly b-1")
@@ -56,18 +56,7 @@ class NoisySubmatrixSampler(DirectionProposer):
         # the rank filter: L_A of rank b-1 (one direction: nothing to filter)
         gap = S[:, -2] if b > 1 else torch.full_like(S[:, 0], float("inf"))
         ranked = S[:, -1] <= self.rank_gap * gap
-        if rows > PREFILTER_ROWS:
-            subset = torch.randperm(rows, generator=ctx.generator)[:PREFILTER_ROWS].to(L.device)
-            L_check = L[subset]
-        else:
-            L_check = L
-        magnitude = (q @ L_check.T).abs()
         # zeros at the noise-widened band, but never below what the proposal dtype can resolve
         zero_rtol = max(ctx.zero_rtol, PREFILTER_RTOL.get(L.dtype, 1e-3))
-        zeros = (magnitude <= magnitude.amax(dim=1, keepdim=True) * zero_rtol).sum(dim=1)
-        keep = ranked & (zeros >= prefilter_count(ctx.threshold_count, rows, L_check.shape[0]))
-        keep &= torch.isfinite(q).all(dim=1)
-        kept_idx = idx[keep]
-        hint = torch.zeros(kept_idx.shape[0], rows, dtype=torch.bool, device=L.device)
-        hint.scatter_(1, kept_idx, True)
-        return ProposalBatch(directions=q[keep], n_drawn=int(idx.shape[0]), zero_hint=hint)
+        keep = ranked & prefilter(L, q, ctx, zero_rtol) & torch.isfinite(q).all(dim=1)
+        return hinted_batch(q, idx, keep, rows)

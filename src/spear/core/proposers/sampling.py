@@ -32,6 +32,33 @@ def prefilter_count(threshold_count: int, rows: int, checked: int) -> int:
     return math.floor(0.6 * checked * threshold_count / rows)
 
 
+def prefilter(L: torch.Tensor, q: torch.Tensor, ctx: ProposalContext, zero_rtol: float) -> torch.Tensor:
+    """Which proposals ``q`` (k x b) have enough near-zero entries of ``L q`` (below ``zero_rtol``
+    of their largest) to be worth snapping, judged on a fresh random subset of rows: cheap for
+    wide layers, and no column can be rejected systematically because the subset changes every
+    chunk. Non-finite proposals (a singular system) never pass."""
+    rows = L.shape[0]
+    if rows > PREFILTER_ROWS:
+        subset = torch.randperm(rows, generator=ctx.generator)[:PREFILTER_ROWS].to(L.device)
+        L_check = L[subset]
+    else:
+        L_check = L
+    magnitude = (q @ L_check.T).abs()
+    peak = magnitude.amax(dim=1, keepdim=True)
+    zeros = (magnitude <= peak * zero_rtol).sum(dim=1, dtype=torch.int32)
+    needed = prefilter_count(ctx.threshold_count, rows, L_check.shape[0])
+    return (zeros >= needed) & torch.isfinite(peak[:, 0])
+
+
+def hinted_batch(q: torch.Tensor, idx: torch.Tensor, keep: torch.Tensor, rows: int) -> ProposalBatch:
+    """The kept proposals with their sampled row sets as exact zero hints (Theorem 3.4: the
+    kernel of ``L_A`` is the direction)."""
+    kept_idx = idx[keep]
+    hint = torch.zeros(kept_idx.shape[0], rows, dtype=torch.bool, device=q.device)
+    hint.scatter_(1, kept_idx, True)
+    return ProposalBatch(directions=q[keep], n_drawn=int(idx.shape[0]), zero_hint=hint)
+
+
 def sample_row_subsets(rows: int, k: int, count: int, generator: torch.Generator) -> torch.Tensor:
     """``count`` uniformly random k-subsets of ``range(rows)``, as a (count, k) index tensor.
 
@@ -86,20 +113,5 @@ class RandomSubmatrixSampler(DirectionProposer):
         L_A = L[idx]  # (k, b-1, b)
         y, _ = torch.linalg.solve_ex(L_A[:, :, : b - 1], -L_A[:, :, b - 1 :])
         q = torch.cat([y.squeeze(-1), torch.ones(y.shape[0], 1, dtype=L.dtype, device=L.device)], dim=1)
-        # pre-filter on a fresh random subset of rows: cheap for wide layers, and no column can be
-        # rejected systematically because the subset changes every chunk
-        if rows > PREFILTER_ROWS:
-            subset = torch.randperm(rows, generator=ctx.generator)[:PREFILTER_ROWS].to(L.device)
-            L_check = L[subset]
-        else:
-            L_check = L
-        magnitude = (q @ L_check.T).abs()
-        peak = magnitude.amax(dim=1, keepdim=True)
-        zeros = (magnitude <= peak * PREFILTER_RTOL.get(L.dtype, 1e-3)).sum(dim=1, dtype=torch.int32)
-        needed = prefilter_count(ctx.threshold_count, rows, L_check.shape[0])
-        keep = (zeros >= needed) & torch.isfinite(peak[:, 0])  # a singular L_A gives inf/nan
-        # the exact hint is the sampled row set A itself: ker(L_A) is the direction (Theorem 3.4)
-        kept_idx = idx[keep]
-        hint = torch.zeros(kept_idx.shape[0], rows, dtype=torch.bool, device=L.device)
-        hint.scatter_(1, kept_idx, True)
-        return ProposalBatch(directions=q[keep], n_drawn=int(idx.shape[0]), zero_hint=hint)
+        keep = prefilter(L, q, ctx, PREFILTER_RTOL.get(L.dtype, 1e-3))  # a singular L_A: inf/nan
+        return hinted_batch(q, idx, keep, rows)

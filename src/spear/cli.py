@@ -359,6 +359,175 @@ def evaluate(
     console.print(table)
 
 
+def _split(value: str, what: str) -> list[str]:
+    names = [v.strip() for v in value.split(",") if v.strip()]
+    if not names:
+        _fail(f"--{what} names nothing; give a comma-separated list")
+    return names
+
+
+def _baseline_options(iterations: int | None) -> dict[str, dict]:
+    """``--iterations`` caps every optimization baseline (Geiping's Adam steps, DLG's L-BFGS
+    steps); None keeps the authors' defaults."""
+    if iterations is None:
+        return {}
+    if iterations < 1:
+        _fail("--iterations must be >= 1")
+    return {"geiping": {"iterations": iterations}, "dlg": {"iterations": iterations}}
+
+
+IterationsOpt = Annotated[
+    int | None,
+    typer.Option(help="cap the optimization baselines' iterations (default: the authors' 4000 / 300)"),
+]
+
+
+@app.command()
+def compare(
+    methods: Annotated[
+        str, typer.Option(help="comma-separated: spear, spear+prior, geiping, dlg, cpa")
+    ] = "spear,geiping,dlg,cpa",
+    labels: Annotated[
+        str, typer.Option(help="baselines' labels: recovered (from the output layer) or given (the truth)")
+    ] = "recovered",
+    iterations: IterationsOpt = None,
+    dataset: DatasetOpt = DEFAULT_DATASET,
+    batch_size: BatchOpt = 4,
+    width: WidthOpt = None,
+    depth: DepthOpt = DEFAULT_DEPTH,
+    seed: SeedOpt = 0,
+    max_proposals: MaxPropOpt = None,
+    time_budget: TimeOpt = None,
+    init: InitOpt = "default",
+    pretrain_steps: PretrainOpt = None,
+    dtype: DtypeOpt = None,
+    model: ModelOpt = "mlp",
+    layer: LayerOpt = None,
+    out: Annotated[Path | None, typer.Option(help="write comparison.json and grid.png here")] = None,
+    json_output: Annotated[bool, typer.Option("--json", help="print the records as JSON on stdout")] = False,
+) -> None:
+    """Run SPEAR and the baselines on the same simulated FedSGD batch: PSNR, SSIM, LPIPS, exact
+    batch, seconds per method (paper Table 1), and one image grid with a row per method."""
+    from spear.baselines import ATTACKS
+    from spear.experiments.compare import run_comparison
+    from spear.experiments.report import json_safe, save_comparison_grid
+
+    names = _split(methods, "methods")
+    unknown = [n for n in names if n not in ATTACKS]
+    if unknown:
+        _fail(f"unknown method(s) {', '.join(unknown)}; choose from {', '.join(ATTACKS)}")
+    settings = _settings(**_experiment_options(locals()), device="cpu", proposer="auto")
+    console = Console(stderr=json_output)
+
+    def report(record: dict) -> None:
+        psnr = _fmt(record["metrics"].get("psnr"))
+        console.print(f"{record['method']}: {record['seconds']:.1f} s, PSNR {psnr}")
+
+    try:
+        result = run_comparison(settings, names, _baseline_options(iterations), labels, on_result=report)
+    except SpearError as exc:
+        _fail(str(exc))
+    if out is not None:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "comparison.json").write_text(json.dumps(json_safe(result.records), indent=2, allow_nan=False))
+        if result.truth is not None:
+            save_comparison_grid(out / "grid.png", result.images, result.truth)
+        console.print(f"wrote {out}")
+    if json_output:
+        sys.stdout.write(json.dumps(json_safe(result.records), indent=2, allow_nan=False) + "\n")
+        return
+    table = Table(title=f"{settings.dataset}, b={settings.batch_size}, {settings.model} (labels {labels})")
+    for col in ("method", "PSNR", "SSIM", "LPIPS", "exact batch", "exact samples", "verified", "seconds"):
+        table.add_column(col, justify="left" if col == "method" else "right")
+    for r in result.records:
+        m = r["metrics"]
+        table.add_row(
+            r["method"], _fmt(m.get("psnr"), 3), _fmt(m.get("ssim"), 3), _fmt(m.get("lpips"), 3),
+            "yes" if m["accuracy"] == 1.0 else "no", f"{r['exact_samples']}/{r['batch_size']}",
+            str(r["verified"]), f"{r['seconds']:.1f}",
+        )
+    console.print(table)
+
+
+@app.command()
+def vulnerability(
+    proxies: Annotated[
+        str | None, typer.Option(help="comma-separated proxies (default all): grad_norm, lavp_l2_max, ...")
+    ] = None,
+    evaluate_proxies: Annotated[
+        bool,
+        typer.Option(
+            "--evaluate",
+            help="also attack each sample (DLG for L2, Geiping for cosine) and SPEAR the batch, and "
+            "report Spearman's rho of each proxy against what they reached",
+        ),
+    ] = False,
+    iterations: IterationsOpt = None,
+    dataset: DatasetOpt = DEFAULT_DATASET,
+    batch_size: BatchOpt = 8,
+    width: WidthOpt = None,
+    depth: DepthOpt = DEFAULT_DEPTH,
+    seed: SeedOpt = 0,
+    init: InitOpt = "default",
+    pretrain_steps: PretrainOpt = None,
+    dtype: DtypeOpt = None,
+    model: ModelOpt = "mlp",
+    out: Annotated[Path | None, typer.Option(help="write vulnerability.json here")] = None,
+    json_output: Annotated[bool, typer.Option("--json", help="print the records as JSON on stdout")] = False,
+) -> None:
+    """Rank a client batch's samples by each vulnerability proxy (gradient norm, LAVP's Hessian
+    eigenvalues for the L2 and cosine matching losses, I2F): which samples leak first. Run it on
+    a model before deployment."""
+    from spear.experiments.report import json_safe
+    from spear.experiments.vulnerability import ATTACK_FOR_LOSS, ClientCase, proxy_correlations
+    from spear.vulnerability import PROXIES
+
+    names = None if proxies is None else _split(proxies, "proxies")
+    unknown = [n for n in names or [] if n not in PROXIES]
+    if unknown:
+        _fail(f"unknown prox(ies) {', '.join(unknown)}; choose from {', '.join(PROXIES)}")
+    settings = _settings(**_experiment_options(locals()), device="cpu", proposer="auto")
+    console = Console(stderr=json_output)
+    try:
+        case = ClientCase.draw(settings)
+        ranked = case.proxies(names, progress=lambda i, b: console.print(f"proxies: sample {i}/{b}"))
+        output: dict = {"settings": settings.as_dict(), "samples": ranked.records()}
+        output["ranking"] = ranked.ranking
+        if evaluate_proxies:
+            options = _baseline_options(iterations)
+            scores = {
+                method: case.attack_each_sample(method, options.get(method))
+                for method in ATTACK_FOR_LOSS.values()
+            }
+            output["attack_scores"] = scores
+            output["spear_order"] = case.spear_order()
+            output["correlations"] = proxy_correlations(ranked.values, scores, output["spear_order"])
+    except SpearError as exc:
+        _fail(str(exc))
+    if out is not None:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "vulnerability.json").write_text(json.dumps(json_safe(output), indent=2, allow_nan=False))
+        console.print(f"wrote {out / 'vulnerability.json'}")
+    if json_output:
+        sys.stdout.write(json.dumps(json_safe(output), indent=2, allow_nan=False) + "\n")
+        return
+    title = f"vulnerability proxies, {settings.dataset}, b={settings.batch_size}, {settings.model}"
+    table = Table(title=title)
+    columns = list(ranked.values)
+    for col in ("sample", "label", *columns):
+        table.add_column(col, justify="right")
+    for record in ranked.records():
+        table.add_row(str(record["sample"]), str(record["label"]), *(f"{record[c]:.3e}" for c in columns))
+    console.print(table)
+    for name, order in ranked.ranking.items():
+        console.print(f"{name}: most vulnerable first {order}")
+    for row in output.get("correlations", []):
+        console.print(
+            f"rho({row['proxy']}, {row['attack']} {row['score']}) = {_fmt(row['rho'], 3)} "
+            f"[{_fmt(row['ci95'][0], 3)}, {_fmt(row['ci95'][1], 3)}], n = {row['n']}"
+        )
+
+
 @app.command()
 def theory(
     batch_size: BatchOpt = 20,

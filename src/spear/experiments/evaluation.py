@@ -66,6 +66,26 @@ def evaluate(
     return Evaluation(record, scored.matched)
 
 
+def evaluate_inputs(
+    dataset: Dataset,
+    inputs: torch.Tensor | None,
+    labels: torch.Tensor | None,
+    secret: ClientBatch,
+    atol: float,
+    reconstruction: Reconstruction | None = None,
+) -> Evaluation:
+    """Score any attack's model inputs (b, n) (SPEAR's or a baseline's) against the client's data
+    with the metrics of its modality; ``inputs`` None (no batch): NaN metrics, and the samples
+    ``reconstruction`` certified one by one, if any, counted when exact."""
+    if inputs is None or inputs.shape[0] != secret.inputs.shape[0]:
+        if reconstruction is not None and reconstruction.inputs is None:
+            return Evaluation(_not_recovered(dataset, reconstruction, secret, atol, None), None)
+        return Evaluation(_not_recovered(dataset, None, secret, atol, None), None)
+    scored = _score_data(dataset, inputs, secret, atol)
+    scored.record["metrics"]["label_accuracy"] = label_accuracy(inputs, labels, secret.inputs, secret.labels)
+    return scored
+
+
 def _score_features(rec: Reconstruction, truth: torch.Tensor, atol: float) -> dict[str, Any]:
     """Feature metrics of the recovered layer inputs; a sample is exact when every feature is
     within ``atol`` times the batch's largest true feature (at least 1) of the truth."""
@@ -103,7 +123,7 @@ def _not_recovered(dataset, rec, secret, atol, truth_features) -> dict[str, Any]
     are exact anyway (the data for the first layer, the features of a hidden one)."""
     metrics = {m.name: NAN for m in _data_metrics(dataset)} | {"accuracy": 0.0, "label_accuracy": NAN}
     exact = 0
-    if rec.certified_inputs is not None:
+    if rec is not None and rec.certified_inputs is not None:
         certified = rec.certified_inputs.to(torch.float64)
         if truth_features is not None:
             scale = float(truth_features.abs().amax().clamp(min=1.0))

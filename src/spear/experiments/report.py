@@ -71,6 +71,39 @@ def save_grid(
     return path
 
 
+def save_comparison_grid(
+    path: Path, images: dict[str, torch.Tensor | None], truth: torch.Tensor, max_images: int = 12
+) -> Path:
+    """One row per method (its reconstruction in the truth's order; "n/a" where it gave none),
+    and the ground truth on top."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    k = min(max_images, truth.shape[0])
+    rows = [("ground truth", truth), *images.items()]
+    fig, axes = plt.subplots(len(rows), k, figsize=(1.1 * k + 1.6, 1.15 * len(rows) + 0.4), squeeze=False)
+    for i, (label, panel) in enumerate(rows):
+        for j in range(k):
+            ax = axes[i][j]
+            ax.set_xticks([])
+            ax.set_yticks([])
+            if j == 0:
+                ax.set_ylabel(label, fontsize=8)
+            if panel is None:
+                ax.text(0.5, 0.5, "n/a", ha="center", va="center", fontsize=8)
+                continue
+            img = panel[j].detach().cpu().clamp(0, 1).permute(1, 2, 0).numpy()
+            gray = img.shape[-1] == 1
+            ax.imshow(img[..., 0] if gray else img, cmap="gray" if gray else None, vmin=0, vmax=1)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 def write_result_dir(
     out: Path, record: dict, reconstruction: torch.Tensor | None, truth: torch.Tensor | None
 ) -> list[Path]:

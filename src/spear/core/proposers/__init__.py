@@ -11,6 +11,7 @@ from spear.core.proposers.guided import GuidedSampler
 from spear.core.proposers.neurons import NeuronGuidedSampler
 from spear.core.proposers.next_layer import NextLayerProposer
 from spear.core.proposers.noisy import NoisySubmatrixSampler
+from spear.core.proposers.prior import PriorGuidedProposer
 from spear.core.proposers.sampling import RandomSubmatrixSampler
 from spear.core.proposers.sparse_recovery import SparseRecoveryProposer
 
@@ -33,6 +34,7 @@ __all__ = [
     "NeuronGuidedSampler",
     "NextLayerProposer",
     "NoisySubmatrixSampler",
+    "PriorGuidedProposer",
     "ProposalBatch",
     "ProposalContext",
     "RandomSubmatrixSampler",

@@ -121,3 +121,47 @@ def test_attack_reports_samples_certified_before_the_batch_is_complete():
     assert payload["verified"] is False and payload["metrics"]["accuracy"] == 0.0
     assert 0 < payload["stats"]["certified"] < 100
     assert payload["exact_samples"] == payload["stats"]["certified"]
+
+
+def test_compare_json_every_method_on_one_batch(tmp_path):
+    args = ["compare", "--methods", "spear,geiping,dlg,cpa", "-b", "3", "--width", "60", "--depth", "3"]
+    result = runner.invoke(app, [*args, "--iterations", "10", "--json", "--out", str(tmp_path)])
+    assert result.exit_code == 0, result.output
+    records = json.loads(result.stdout[result.stdout.index("[") :])
+    assert [r["method"] for r in records] == ["spear", "geiping", "dlg", "cpa"]
+    spear_record = records[0]
+    assert spear_record["verified"] is True and spear_record["metrics"]["accuracy"] == 1.0
+    for r in records:
+        assert {"psnr", "ssim", "lpips", "mse", "accuracy"} <= set(r["metrics"]) and r["seconds"] >= 0
+        assert r["batch_size"] == 3 and r["settings"]["seed"] == 0
+    assert all(not r["verified"] for r in records[1:])
+    assert records[1]["method_settings"]["iterations"] == 10
+    assert {p.name for p in tmp_path.iterdir()} == {"comparison.json", "grid.png"}
+
+
+def test_compare_refuses_unknown_methods_and_protocols():
+    result = runner.invoke(app, ["compare", "--methods", "spear,magic"])
+    assert result.exit_code == 2 and "unknown method" in result.output
+    result = runner.invoke(app, ["compare", "--labels", "psychic", "-b", "2", "--width", "30", "--depth", "2"])
+    assert result.exit_code == 2 and "labels must be one of" in result.output
+
+
+def test_vulnerability_json_ranks_samples_by_every_proxy():
+    args = ["vulnerability", "-b", "3", "--width", "20", "--depth", "2", "--dataset", "digits", "--json"]
+    result = runner.invoke(app, args)
+    assert result.exit_code == 0, result.output
+    payload = json.loads(result.stdout[result.stdout.index("{") :])
+    assert len(payload["samples"]) == 3
+    for name in ("grad_norm", "lavp_l2_max", "lavp_l2_min", "lavp_cos_max", "lavp_cos_min", "i2f"):
+        assert sorted(payload["ranking"][name]) == [0, 1, 2]
+        assert all(s[name] > 0 for s in payload["samples"])
+    result = runner.invoke(app, ["vulnerability", "--proxies", "lavp_l2_max,nope"])
+    assert result.exit_code == 2 and "unknown prox" in result.output
+
+
+def test_vulnerability_evaluate_correlates_with_attacks():
+    args = ["vulnerability", "-b", "4", "--width", "20", "--depth", "2", "--dataset", "digits"]
+    result = runner.invoke(app, [*args, "--proxies", "grad_norm,lavp_cos_max", "--evaluate", "--iterations", "5"])
+    assert result.exit_code == 0, result.output
+    assert "rho(grad_norm, dlg psnr)" in result.output and "rho(lavp_cos_max, geiping psnr)" in result.output
+    assert "rho(lavp_cos_max, dlg" not in result.output and "certified_order" in result.output

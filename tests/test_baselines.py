@@ -1,0 +1,165 @@
+"""The baseline attacks behind one interface: each lowers its objective and beats its start on a
+tiny case; CPA separates ICA-separable mixtures; SPEAR (and SPEAR + prior) stay exact."""
+
+import pytest
+import torch
+from torch import nn
+
+from spear.baselines import (
+    ATTACKS,
+    AttackTarget,
+    CocktailPartyAttack,
+    DataDomain,
+    DLGAttack,
+    GeipingAttack,
+    SpearAttack,
+    SpearWithPrior,
+    cosine_distance,
+    l2_distance,
+    make_attack,
+    parameter_gradients,
+    recover_labels,
+)
+from spear.baselines.cpa import CPAConfig, WhitenedMixture, scaled_sources, unmix
+from spear.baselines.labels import class_counts
+from spear.errors import InputError
+from spear.fl import fedsgd_gradients
+from spear.metrics import match_samples
+
+SHAPE = (1, 4, 4)  # 16 "pixels"
+
+
+def tiny_mlp(seed=0, width=40, classes=5):
+    torch.manual_seed(seed)
+    return nn.Sequential(
+        nn.Linear(16, width), nn.ReLU(), nn.Linear(width, width), nn.ReLU(), nn.Linear(width, classes)
+    ).double()
+
+
+def tiny_target(b=2, seed=0, labels_given=False, width=40):
+    model = tiny_mlp(seed, width)
+    g = torch.Generator().manual_seed(seed + 1)
+    inputs = torch.rand(b, 16, generator=g, dtype=torch.float64)
+    labels = torch.randperm(5, generator=g)[:b]
+    grads = fedsgd_gradients(model, inputs, labels)
+    domain = DataDomain(SHAPE, lambda x: x.flatten(1), 0.0, 1.0, True)
+    target = AttackTarget(model, grads, b, domain, labels=labels if labels_given else None, seed=seed)
+    return target, inputs, labels
+
+
+def matched_error(estimate, truth):
+    est, ref = match_samples(estimate, truth)
+    return float((estimate[est] - truth[ref]).abs().max())
+
+
+def test_matching_losses_vanish_at_the_truth_only():
+    target, inputs, labels = tiny_target()
+    truth = parameter_gradients(target.model, inputs, labels, create_graph=False)
+    other = parameter_gradients(target.model, inputs.flip(0), labels, create_graph=False)
+    assert float(l2_distance(truth, truth)) == 0
+    assert abs(float(cosine_distance(truth, truth))) < 1e-12
+    assert float(l2_distance(other, truth)) > 1e-8 and float(cosine_distance(other, truth)) > 1e-8
+
+
+def test_labels_single_sample_idlg_and_counts():
+    target, _, labels = tiny_target(b=1)
+    assert recover_labels(target).tolist() == labels.tolist()
+    # counts: b * (p - g) with p known exactly gives the true counts
+    counts = class_counts(torch.tensor([-0.3, 0.1, -0.2, 0.2, 0.2]), torch.full((5,), 0.2), 10)
+    assert counts.tolist() == [5, 1, 4, 0, 0] and int(counts.sum()) == 10
+    # every class with a negative gradient entry is present, counts still sum to b
+    forced = class_counts(torch.tensor([-0.01, -0.01, -0.01, 0.02, 0.01]), torch.zeros(5), 2)
+    assert int(forced.sum()) == 2 and (forced >= 0).all()
+
+
+def test_labels_of_a_batch_from_the_bias_gradient():
+    target, _, labels = tiny_target(b=3)
+    assert sorted(recover_labels(target).tolist()) == sorted(labels.tolist())
+
+
+@pytest.mark.parametrize("attack", [GeipingAttack(iterations=150, lr=0.05), DLGAttack(iterations=15)])
+def test_optimization_baselines_lower_their_objective_and_beat_their_start(attack):
+    target, inputs, _ = tiny_target(b=2, labels_given=True)
+    out = attack(target)
+    assert out.method == attack.name and out.seconds > 0 and not out.verified
+    assert out.objective["end"] < 0.1 * out.objective["start"]
+    start = torch.randn(2, 16, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    assert matched_error(out.inputs, inputs) < 0.5 * matched_error(start, inputs)
+
+
+def test_geiping_keeps_the_box_and_recovers_labels_itself():
+    target, inputs, labels = tiny_target(b=2)
+    out = GeipingAttack(iterations=60)(target)
+    assert out.inputs.min() >= 0 and out.inputs.max() <= 1
+    assert sorted(out.labels.tolist()) == sorted(labels.tolist())
+
+
+def test_dlg_at_one_sample_uses_idlg_label():
+    target, inputs, labels = tiny_target(b=1)
+    out = DLGAttack(iterations=20)(target)
+    assert out.labels.tolist() == labels.tolist() and "iDLG" in out.notes[0]
+    assert matched_error(out.inputs, inputs) < 1e-3
+
+
+def laplace_mixture(b=4, n=4000, m=30, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    u = torch.rand(b, n, generator=g, dtype=torch.float64) - 0.5
+    sources = -torch.sign(u) * torch.log1p(-2 * u.abs()) + 0.3  # Laplace, independent, non-zero mean
+    mixing = torch.randn(m, b, generator=g, dtype=torch.float64)
+    return sources, mixing @ sources, mixing @ torch.ones(b, dtype=torch.float64)
+
+
+def test_cpa_separates_ica_separable_mixtures_with_their_scales():
+    sources, gradient, bias_gradient = laplace_mixture()
+    mixture = WhitenedMixture.of(gradient, 4)
+    U = unmix(mixture, CPAConfig(), None, seed=0)
+    recovered = scaled_sources(gradient, bias_gradient, U @ mixture.whitening @ mixture.basis)
+    est, ref = match_samples(recovered, sources)
+    cos = nn.functional.cosine_similarity(recovered[est], sources[ref], dim=1)
+    assert cos.min() > 0.999  # finite-sample ICA: separated to within sampling error
+    relative = (recovered[est] - sources[ref]).norm(dim=1) / sources[ref].norm(dim=1)
+    assert relative.max() < 0.1  # sign and scale from the bias gradient
+
+
+def test_cpa_scales_are_exact_for_exact_directions():
+    sources, gradient, bias_gradient = laplace_mixture(b=3, n=50, m=10)
+    directions = torch.diag(torch.tensor([2.0, -0.5, 3.0], dtype=torch.float64)) @ sources
+    assert torch.allclose(scaled_sources(gradient, bias_gradient, directions), sources, atol=1e-9)
+
+
+def test_cpa_attack_runs_on_a_model_and_refuses_b_too_large():
+    target, _, _ = tiny_target(b=2)
+    out = CocktailPartyAttack()(target)
+    assert out.inputs.shape == (2, 16) and out.verified is False
+    big, _, _ = tiny_target(b=2)
+    big.batch_size = 16
+    with pytest.raises(InputError, match="ICA needs b"):
+        CocktailPartyAttack()(big)
+
+
+def test_spear_behind_the_interface_is_exact_and_verified():
+    target, inputs, labels = tiny_target(b=3, width=60)
+    out = SpearAttack(max_proposals=200_000)(target)
+    assert out.verified and matched_error(out.inputs, inputs) < 1e-9
+    assert sorted(out.labels.tolist()) == sorted(labels.tolist())
+    assert out.reconstruction is not None and out.details["layer"] == "0"
+
+
+def test_spear_with_prior_is_exact_and_records_the_prior():
+    target, inputs, _ = tiny_target(b=3, width=60)
+    out = SpearWithPrior(prior=GeipingAttack(iterations=20), max_proposals=200_000)(target)
+    assert out.verified and matched_error(out.inputs, inputs) < 1e-9
+    assert out.details["prior"]["method"] == "geiping" and "guided by geiping" in out.notes[0]
+
+
+def test_registry_and_clear_errors():
+    assert set(ATTACKS) == {"spear", "spear+prior", "geiping", "dlg", "cpa"}
+    with pytest.raises(InputError, match="unknown attack"):
+        make_attack("nope")
+    with pytest.raises(InputError, match="invalid options for geiping"):
+        make_attack("geiping", not_an_option=1)
+    with pytest.raises(InputError, match="invalid Geiping settings"):
+        GeipingAttack(restarts=0)
+    target, _, _ = tiny_target()
+    with pytest.raises(InputError, match="lacks gradients"):
+        AttackTarget(target.model, {}, 2, target.domain)

@@ -88,7 +88,7 @@ def test_optimization_baselines_lower_their_objective_and_beat_their_start(attac
 
 
 def test_geiping_keeps_the_box_and_recovers_labels_itself():
-    target, inputs, labels = tiny_target(b=2)
+    target, _, labels = tiny_target(b=2)
     out = GeipingAttack(iterations=60)(target)
     assert out.inputs.min() >= 0 and out.inputs.max() <= 1
     assert sorted(out.labels.tolist()) == sorted(labels.tolist())

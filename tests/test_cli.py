@@ -142,7 +142,8 @@ def test_compare_json_every_method_on_one_batch(tmp_path):
 def test_compare_refuses_unknown_methods_and_protocols():
     result = runner.invoke(app, ["compare", "--methods", "spear,magic"])
     assert result.exit_code == 2 and "unknown method" in result.output
-    result = runner.invoke(app, ["compare", "--labels", "psychic", "-b", "2", "--width", "30", "--depth", "2"])
+    args = ["compare", "--labels", "psychic", "-b", "2", "--width", "30", "--depth", "2"]
+    result = runner.invoke(app, args)
     assert result.exit_code == 2 and "labels must be one of" in result.output
 
 
@@ -161,7 +162,8 @@ def test_vulnerability_json_ranks_samples_by_every_proxy():
 
 def test_vulnerability_evaluate_correlates_with_attacks():
     args = ["vulnerability", "-b", "4", "--width", "20", "--depth", "2", "--dataset", "digits"]
-    result = runner.invoke(app, [*args, "--proxies", "grad_norm,lavp_cos_max", "--evaluate", "--iterations", "5"])
+    proxies = ["--proxies", "grad_norm,lavp_cos_max"]
+    result = runner.invoke(app, [*args, *proxies, "--evaluate", "--iterations", "5"])
     assert result.exit_code == 0, result.output
     assert "rho(grad_norm, dlg psnr)" in result.output and "rho(lavp_cos_max, geiping psnr)" in result.output
     assert "rho(lavp_cos_max, dlg" not in result.output and "certified_order" in result.output

@@ -167,3 +167,11 @@ def test_vulnerability_evaluate_correlates_with_attacks():
     assert result.exit_code == 0, result.output
     assert "rho(grad_norm, dlg psnr)" in result.output and "rho(lavp_cos_max, geiping psnr)" in result.output
     assert "rho(lavp_cos_max, dlg" not in result.output and "certified_order" in result.output
+
+
+def test_vulnerability_evaluate_needs_images():
+    args = ["vulnerability", "-b", "3", "--width", "20", "--depth", "2", "--dataset", "adult", "--evaluate"]
+    result = runner.invoke(app, args)
+    if "not found" in result.output or "install" in result.output:
+        pytest.skip("UCI Adult is not installed here")
+    assert result.exit_code == 2 and "need image data" in result.output

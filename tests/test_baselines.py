@@ -182,3 +182,19 @@ def test_prior_guided_sampling_finds_what_the_default_schedule_cannot_in_budget(
     )
     assert guided.verified
     assert_exact(guided.inputs, client.inputs)
+
+
+def test_cpa_on_cnn_features_separates_then_inverts_to_images():
+    """CPA's second stage: separated conv features go back to images by feature inversion."""
+    from spear.fl import feature_layer, small_cnn
+
+    model = small_cnn((1, 16, 16), hidden=64, classes=5, seed=0)
+    g = torch.Generator().manual_seed(0)
+    images = torch.rand(3, 1, 16, 16, generator=g, dtype=torch.float64)
+    inputs = images.flatten(1)
+    grads = fedsgd_gradients(model, inputs, torch.tensor([0, 1, 2]))
+    domain = DataDomain((1, 16, 16), lambda x: x.flatten(1), 0.0, 1.0, True)
+    out = CocktailPartyAttack(inversion_steps=3)(AttackTarget(model, grads, 3, domain))
+    assert out.inputs.shape == (3, 256) and out.details["layer"] == feature_layer(model)
+    assert "feature inversion" in out.notes[-1] and not out.verified
+    assert out.inputs.min() >= 0 and out.inputs.max() <= 1  # images from the box

@@ -50,6 +50,8 @@ class CPAConfig:
     temperature: float = 5.0
     tv: float = 0.0
     logcosh_a: float = 1.0
+    #: Adam steps of the feature inversion (CNN features back to images)
+    inversion_steps: int = 1000
 
     def __post_init__(self) -> None:
         if (
@@ -191,7 +193,7 @@ class CocktailPartyAttack(Attack):
                 features,
                 target.domain.shape,
                 target.domain.to_inputs,
-                InversionSettings(seed=target.seed),
+                InversionSettings(steps=self.config.inversion_steps, seed=target.seed),
             )
             inputs = target.domain.to_inputs(images).to(torch.float64)
             notes.append("images by feature inversion from the separated features")

@@ -175,3 +175,25 @@ def test_vulnerability_evaluate_needs_images():
     if "not found" in result.output or "install" in result.output:
         pytest.skip("UCI Adult is not installed here")
     assert result.exit_code == 2 and "need image data" in result.output
+
+
+def test_compare_keeps_the_other_methods_when_spear_fails(monkeypatch):
+    import spear.baselines
+    from spear.errors import NoSparsityError
+    from spear.experiments import ExperimentSettings
+    from spear.experiments.compare import run_comparison
+
+    class Failing(spear.baselines.SpearAttack):
+        def run(self, target):
+            raise NoSparsityError("dL/dZ is dense")
+
+    monkeypatch.setitem(spear.baselines.ATTACKS, "spear", Failing)
+    settings = ExperimentSettings(dataset="digits", batch_size=3, width=20, depth=3)
+    result = run_comparison(settings, ["spear", "cpa"])
+    spear_record, cpa_record = result.records
+    assert spear_record["metrics"]["accuracy"] == 0.0 and not spear_record["verified"]
+    assert "NoSparsityError: dL/dZ is dense" in spear_record["notes"][0]
+    assert cpa_record["method"] == "cpa" and cpa_record["metrics"]["psnr"] == cpa_record["metrics"]["psnr"]
+    args = ["compare", "--methods", "cpa,cpa", "-b", "2", "--width", "30", "--depth", "2"]
+    result = runner.invoke(app, args)
+    assert result.exit_code == 2 and "each method once" in result.output

@@ -373,7 +373,10 @@ def _baseline_options(iterations: int | None) -> dict[str, dict]:
         return {}
     if iterations < 1:
         _fail("--iterations must be >= 1")
-    return {"geiping": {"iterations": iterations}, "dlg": {"iterations": iterations}}
+    from spear.baselines import GeipingAttack
+
+    prior = {"prior": GeipingAttack(iterations=iterations)}
+    return {"geiping": {"iterations": iterations}, "dlg": {"iterations": iterations}, "spear+prior": prior}
 
 
 IterationsOpt = Annotated[
@@ -428,10 +431,14 @@ def compare(
     except SpearError as exc:
         _fail(str(exc))
     if out is not None:
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "comparison.json").write_text(json.dumps(json_safe(result.records), indent=2, allow_nan=False))
-        if result.truth is not None:
-            save_comparison_grid(out / "grid.png", result.images, result.truth)
+        try:
+            out.mkdir(parents=True, exist_ok=True)
+            text = json.dumps(json_safe(result.records), indent=2, allow_nan=False)
+            (out / "comparison.json").write_text(text)
+            if result.truth is not None:
+                save_comparison_grid(out / "grid.png", result.images, result.truth)
+        except OSError as exc:
+            _fail(f"cannot write the results to {out}: {exc}")
         console.print(f"wrote {out}")
     if json_output:
         sys.stdout.write(json.dumps(json_safe(result.records), indent=2, allow_nan=False) + "\n")
@@ -505,8 +512,11 @@ def vulnerability(
     except SpearError as exc:
         _fail(str(exc))
     if out is not None:
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "vulnerability.json").write_text(json.dumps(json_safe(output), indent=2, allow_nan=False))
+        try:
+            out.mkdir(parents=True, exist_ok=True)
+            (out / "vulnerability.json").write_text(json.dumps(json_safe(output), indent=2, allow_nan=False))
+        except OSError as exc:
+            _fail(f"cannot write the results to {out}: {exc}")
         console.print(f"wrote {out / 'vulnerability.json'}")
     if json_output:
         sys.stdout.write(json.dumps(json_safe(output), indent=2, allow_nan=False) + "\n")

@@ -20,6 +20,21 @@ from spear.errors import InputError
 
 
 @dataclass(frozen=True)
+class Normalization:
+    """Per-channel ``(x - mean) / std``, flattened: a data set's preprocessing, holding only its
+    public statistics (never a reference to the data set itself)."""
+
+    mean: tuple[float, ...]
+    std: tuple[float, ...]
+
+    def __call__(self, samples: torch.Tensor) -> torch.Tensor:
+        shape = (1, -1) + (1,) * (samples.ndim - 2)
+        mean = torch.tensor(self.mean, dtype=samples.dtype, device=samples.device).view(shape)
+        std = torch.tensor(self.std, dtype=samples.dtype, device=samples.device).view(shape)
+        return ((samples - mean) / std).reshape(samples.shape[0], -1)
+
+
+@dataclass(frozen=True)
 class DataDomain:
     """What the server knows of the clients' data, and no more: the shape of one sample, the
     preprocessing that maps samples to the model's (flattened) inputs, and the range samples take.
@@ -39,7 +54,8 @@ class DataDomain:
         """The domain of a :mod:`spear.data` data set: images in [0, 1] with the set's
         normalization, or standardized tabular rows (unbounded, no image prior)."""
         if getattr(dataset, "modality", "image") == "image":
-            return cls(tuple(dataset.image_shape), dataset.normalize, 0.0, 1.0, True)
+            normalize = Normalization(tuple(dataset.mean), tuple(dataset.std))
+            return cls(tuple(dataset.image_shape), normalize, 0.0, 1.0, True)
         return cls((dataset.features,), lambda x: x.flatten(1), None, None, False)
 
     def input_bounds(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor] | None:

@@ -55,7 +55,7 @@ class CPAConfig:
 
     def __post_init__(self) -> None:
         if (
-            min(self.iterations, self.ica_iterations - 1) < 0
+            min(self.iterations, self.ica_iterations - 1, self.inversion_steps) < 0
             or self.lr <= 0
             or min(self.decorrelation, self.tv) < 0
         ):

@@ -48,9 +48,13 @@ def class_counts(bias_grad: torch.Tensor, mean_softmax: torch.Tensor, batch_size
     """Integer class counts summing to ``batch_size`` from ``b * (p_mean - dL/db)``."""
     raw = (batch_size * (mean_softmax - bias_grad)).clamp(min=0)
     present = bias_grad < 0
-    counts = torch.where(present, raw.floor().clamp(min=1), raw.floor()).long()
-    while int(counts.sum()) > batch_size:  # too many forced ones: drop from the largest excess
-        counts[int((counts - raw).argmax())] -= 1
+    floor = present.long()  # a class with a negative entry has at least one sample
+    counts = torch.maximum(raw.floor().long(), floor)
+    while int(counts.sum()) > batch_size:  # too many: drop where the count exceeds raw the most
+        excess = torch.where(counts > floor, counts - raw, torch.full_like(raw, -torch.inf))
+        if not bool(torch.isfinite(excess).any()):
+            excess = torch.where(counts > 0, counts - raw, torch.full_like(raw, -torch.inf))
+        counts[int(excess.argmax())] -= 1
     remainder = raw - counts
     while int(counts.sum()) < batch_size:
         top = int(remainder.argmax())

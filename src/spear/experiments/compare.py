@@ -11,9 +11,9 @@ from typing import Any
 
 import torch
 
-from spear.baselines import AttackTarget, DataDomain, make_attack
+from spear.baselines import AttackOutput, AttackTarget, DataDomain, make_attack
 from spear.data import load_dataset
-from spear.errors import InputError
+from spear.errors import InputError, SpearError
 from spear.experiments.evaluation import evaluate_inputs
 from spear.experiments.run import EXACT_ATOL, ExperimentSettings, prepare_model, versions
 from spear.fl import simulate_round
@@ -64,6 +64,8 @@ def run_comparison(
     500}}``); SPEAR's come from ``settings`` (budget, proposer, layer)."""
     if not methods:
         raise InputError("name at least one method to compare")
+    if len(set(methods)) != len(methods):
+        raise InputError(f"each method once, please: got {', '.join(methods)}")
     if labels not in LABEL_SOURCES:
         raise InputError(f"labels must be one of {', '.join(LABEL_SOURCES)}, got {labels!r}")
     if settings.protocol != "fedsgd" or settings.clients != 1:
@@ -95,7 +97,10 @@ def run_comparison(
     records, images = [], {}
     atol = EXACT_ATOL[settings.torch_dtype]
     for attack in attacks:
-        output = attack(target)
+        try:
+            output = attack(target)
+        except SpearError as exc:  # one method's failure is its record, not the comparison's end
+            output = AttackOutput(attack.name, None, notes=[f"{type(exc).__name__}: {exc}"])
         evaluation = evaluate_inputs(
             dataset, output.inputs, output.labels, secret, atol, output.reconstruction
         )

@@ -8,7 +8,7 @@ samples when the whole batch is attacked at once.
 Settings: MNIST, the 6 x 200 ReLU MLP of ``spear attack``, float64; untrained, and trained
 ``--train-steps`` SGD steps; ``--samples`` samples (one batch, seed 0).
 
-Default (about 15 minutes on 2 cores, nothing else running):
+Default (about 16 minutes on 2 cores, nothing else running):
     python benchmarks/bench_proxies.py
 Full setting (more samples, tighter intervals; hours):
     python benchmarks/bench_proxies.py --samples 200

@@ -197,3 +197,21 @@ def test_compare_keeps_the_other_methods_when_spear_fails(monkeypatch):
     args = ["compare", "--methods", "cpa,cpa", "-b", "2", "--width", "30", "--depth", "2"]
     result = runner.invoke(app, args)
     assert result.exit_code == 2 and "each method once" in result.output
+
+
+def test_evaluate_inputs_ignores_certified_hidden_features():
+    """A hidden-layer attack that certified some features but no batch: no crash, NaN metrics."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from spear.data import load_dataset
+    from spear.experiments.evaluation import evaluate_inputs
+    from spear.fl import ClientBatch
+
+    digits = load_dataset("digits")
+    images = digits.images[:2]
+    secret = ClientBatch(images, digits.normalize(images), digits.labels[:2])
+    partial = SimpleNamespace(inputs=None, certified_inputs=torch.rand(1, 20, dtype=torch.float64))
+    record = evaluate_inputs(digits, None, None, secret, 1e-6, partial).record
+    assert record["exact_samples"] == 0 and record["metrics"]["accuracy"] == 0.0

@@ -78,7 +78,8 @@ def evaluate_inputs(
     with the metrics of its modality; ``inputs`` None (no batch): NaN metrics, and the samples
     ``reconstruction`` certified one by one, if any, counted when exact."""
     if inputs is None or inputs.shape[0] != secret.inputs.shape[0]:
-        if reconstruction is not None and reconstruction.inputs is None:
+        certified = None if reconstruction is None else reconstruction.certified_inputs
+        if certified is not None and certified.shape[1] == secret.inputs.shape[1]:  # data, not features
             return Evaluation(_not_recovered(dataset, reconstruction, secret, atol, None), None)
         return Evaluation(_not_recovered(dataset, None, secret, atol, None), None)
     scored = _score_data(dataset, inputs, secret, atol)

@@ -215,3 +215,11 @@ def test_evaluate_inputs_ignores_certified_hidden_features():
     partial = SimpleNamespace(inputs=None, certified_inputs=torch.rand(1, 20, dtype=torch.float64))
     record = evaluate_inputs(digits, None, None, secret, 1e-6, partial).record
     assert record["exact_samples"] == 0 and record["metrics"]["accuracy"] == 0.0
+
+
+def test_vulnerability_unwritable_out_is_a_clear_error(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    args = ["vulnerability", "-b", "2", "--width", "20", "--depth", "2", "--dataset", "digits"]
+    result = runner.invoke(app, [*args, "--proxies", "grad_norm", "--out", str(blocker / "x")])
+    assert result.exit_code == 2 and "cannot write the results" in result.output

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import sys
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Annotated
 
@@ -359,6 +360,16 @@ def evaluate(
     console.print(table)
 
 
+@contextmanager
+def _writing_to(out: Path):
+    """Create ``out`` and write into it; a path that cannot be written ends with a clear error."""
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        yield out
+    except OSError as exc:
+        _fail(f"cannot write the results to {out}: {exc}")
+
+
 def _split(value: str, what: str) -> list[str]:
     names = [v.strip() for v in value.split(",") if v.strip()]
     if not names:
@@ -431,14 +442,11 @@ def compare(
     except SpearError as exc:
         _fail(str(exc))
     if out is not None:
-        try:
-            out.mkdir(parents=True, exist_ok=True)
+        with _writing_to(out):
             text = json.dumps(json_safe(result.records), indent=2, allow_nan=False)
             (out / "comparison.json").write_text(text)
             if result.truth is not None:
                 save_comparison_grid(out / "grid.png", result.images, result.truth)
-        except OSError as exc:
-            _fail(f"cannot write the results to {out}: {exc}")
         console.print(f"wrote {out}")
     if json_output:
         sys.stdout.write(json.dumps(json_safe(result.records), indent=2, allow_nan=False) + "\n")
@@ -512,11 +520,8 @@ def vulnerability(
     except SpearError as exc:
         _fail(str(exc))
     if out is not None:
-        try:
-            out.mkdir(parents=True, exist_ok=True)
+        with _writing_to(out):
             (out / "vulnerability.json").write_text(json.dumps(json_safe(output), indent=2, allow_nan=False))
-        except OSError as exc:
-            _fail(f"cannot write the results to {out}: {exc}")
         console.print(f"wrote {out / 'vulnerability.json'}")
     if json_output:
         sys.stdout.write(json.dumps(json_safe(output), indent=2, allow_nan=False) + "\n")

@@ -7,6 +7,7 @@ that the same batches, metrics and JSON records serve all of them (:mod:`spear.e
 
 from __future__ import annotations
 
+import math
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping
@@ -102,6 +103,11 @@ class AttackTarget:
     @property
     def dtype(self) -> torch.dtype:
         return next(self.model.parameters()).dtype
+
+    @property
+    def input_size(self) -> int:
+        """n, one sample's size as the model takes it (flattened)."""
+        return math.prod(self.domain.shape)
 
 
 @dataclass

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from spear.baselines.base import Attack, AttackOutput, AttackTarget
-from spear.baselines.geiping import OptimizationRun, input_size
+from spear.baselines.geiping import OptimizationRun
 from spear.baselines.labels import recover_labels
 from spear.baselines.matching import l2_distance, ordered_gradients, parameter_gradients
 from spear.errors import InputError
@@ -50,7 +50,7 @@ class DLGAttack(Attack):
         cfg, model, dtype = self.config, target.model, target.dtype
         truth = ordered_gradients(model, target.gradients)
         generator = torch.Generator().manual_seed(target.seed)
-        b, n = target.batch_size, input_size(target)
+        b, n = target.batch_size, target.input_size
         inputs = torch.randn(b, n, generator=generator, dtype=dtype).requires_grad_(True)
         classes = model(inputs[:1]).shape[1]
         logits = torch.randn(b, classes, generator=generator, dtype=dtype).requires_grad_(True)

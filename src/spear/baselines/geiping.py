@@ -93,7 +93,7 @@ class GeipingAttack(Attack):
         cfg = self.config
         model, dtype = target.model, target.dtype
         truth = ordered_gradients(model, target.gradients)
-        n = input_size(target)
+        n = target.input_size
         generator = torch.Generator().manual_seed(seed)
         inputs = torch.randn(target.batch_size, n, generator=generator, dtype=dtype).requires_grad_(True)
         bounds = target.domain.input_bounds(dtype) if cfg.boxed else None
@@ -120,10 +120,3 @@ class GeipingAttack(Attack):
                     inputs.copy_(torch.maximum(torch.minimum(inputs, bounds[1]), bounds[0]))
         return run
 
-
-def input_size(target: AttackTarget) -> int:
-    """n, the model's flattened input size (the first layer's, or the domain's)."""
-    size = 1
-    for dim in target.domain.shape:
-        size *= dim
-    return size

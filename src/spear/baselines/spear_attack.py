@@ -45,7 +45,8 @@ class SpearAttack(Attack):
         rec = spear.attack_layer(model, layer, target.gradients, seed=target.seed, **options)
         inputs, verified, notes = rec.inputs, rec.verified, list(rec.notes)
         details: dict[str, Any] = {"layer": layer, "reconstruction": rec.summary()}
-        if layers_below(model, layer) and rec.inputs is not None and rec.grad_outputs is not None:
+        hidden = bool(layers_below(model, layer))
+        if hidden and rec.inputs is not None and rec.grad_outputs is not None:
             domain = target.domain
             image_shape = domain.shape if domain.image else None
             to_inputs = domain.to_inputs if domain.image else None
@@ -61,7 +62,7 @@ class SpearAttack(Attack):
             inputs, verified = inversion.inputs, inversion.verified
             notes += inversion.notes
             details["inversion"] = inversion.as_dict()
-        elif layers_below(model, layer):
+        elif hidden:
             inputs = None
         labels = None if rec.labels is None or inputs is None else rec.labels.clone()
         return AttackOutput(

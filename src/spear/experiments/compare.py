@@ -11,12 +11,11 @@ from typing import Any
 
 import torch
 
-from spear.baselines import AttackOutput, AttackTarget, DataDomain, make_attack
-from spear.data import load_dataset
+from spear.baselines import AttackOutput, make_attack
 from spear.errors import InputError, SpearError
+from spear.experiments.case import ClientCase
 from spear.experiments.evaluation import evaluate_inputs
-from spear.experiments.run import EXACT_ATOL, ExperimentSettings, prepare_model, versions
-from spear.fl import simulate_round
+from spear.experiments.run import EXACT_ATOL, ExperimentSettings, versions
 
 #: what ``spear compare`` runs without ``--methods``
 DEFAULT_METHODS = ("spear", "geiping", "dlg", "cpa")
@@ -73,19 +72,9 @@ def run_comparison(
             "compare runs on one client's FedSGD gradient (the baselines match FedSGD gradients); "
             f"got protocol {settings.protocol} with {settings.clients} client(s)"
         )
-    dataset = load_dataset(settings.dataset)
-    model, layer, _ = prepare_model(settings, dataset)
-    view, secret = simulate_round(
-        model, dataset, settings.batch_size, seed=settings.seed, single_label=settings.single_label
-    )
-    target = AttackTarget(
-        view.model,
-        view.gradients,
-        settings.batch_size,
-        DataDomain.of(dataset),
-        labels=secret.labels.clone() if labels == "given" else None,
-        seed=settings.seed,
-    )
+    case = ClientCase.draw(settings)
+    dataset, layer, secret = case.dataset, case.layer, case.secret
+    target = case.target(labels_given=labels == "given")
     attacks = []
     for name in methods:
         options = dict((method_options or {}).get(name, {}))

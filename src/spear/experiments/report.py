@@ -31,6 +31,13 @@ def dumps(record: dict) -> str:
     return json.dumps(json_safe(record), allow_nan=False)
 
 
+def _show(ax, image: torch.Tensor) -> None:
+    """One (C, H, W) image in [0, 1] on a matplotlib axis (grayscale for one channel)."""
+    img = image.detach().cpu().clamp(0, 1).permute(1, 2, 0).numpy()
+    gray = img.shape[-1] == 1
+    ax.imshow(img[..., 0] if gray else img, cmap="gray" if gray else None, vmin=0, vmax=1)
+
+
 def save_grid(
     path: Path, reconstruction: torch.Tensor | None, truth: torch.Tensor, max_images: int = 16
 ) -> Path:
@@ -54,13 +61,7 @@ def save_grid(
             if panel is None:
                 ax.text(0.5, 0.5, "n/a", ha="center", va="center")
                 continue
-            img = panel[j].detach().cpu().clamp(0, 1).permute(1, 2, 0).numpy()
-            ax.imshow(
-                img[..., 0] if img.shape[-1] == 1 else img,
-                cmap="gray" if img.shape[-1] == 1 else None,
-                vmin=0,
-                vmax=1,
-            )
+            _show(ax, panel[j])
             if j == 0:
                 ax.set_ylabel(rows[i], fontsize=8)
     fig.suptitle(f"SPEAR reconstruction; bottom row: |difference| / {scale:.1e} (its maximum)", fontsize=9)
@@ -94,9 +95,7 @@ def save_comparison_grid(
             if panel is None:
                 ax.text(0.5, 0.5, "n/a", ha="center", va="center", fontsize=8)
                 continue
-            img = panel[j].detach().cpu().clamp(0, 1).permute(1, 2, 0).numpy()
-            gray = img.shape[-1] == 1
-            ax.imshow(img[..., 0] if gray else img, cmap="gray" if gray else None, vmin=0, vmax=1)
+            _show(ax, panel[j])
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from spear import theory
 from spear.core.proposers.base import DirectionProposer, ProposalBatch, ProposalContext
 from spear.core.proposers.guided import GuidedSampler
+from spear.core.proposers.masked_subspace import MaskedSubspaceProposer
 from spear.core.proposers.neurons import NeuronGuidedSampler
 from spear.core.proposers.next_layer import NextLayerProposer
 from spear.core.proposers.sampling import RandomSubmatrixSampler
@@ -57,6 +58,7 @@ class AutoProposer(DirectionProposer):
         self.next_layer = NextLayerProposer()
         self.guided = GuidedSampler()
         self.recovery = SparseRecoveryProposer()
+        self.subspace = MaskedSubspaceProposer()
         self.sampling_only_below = sampling_only_below
         self.sampling_every = sampling_every
         self._last_found = 0
@@ -70,6 +72,8 @@ class AutoProposer(DirectionProposer):
         if ctx.problem is None or ctx.problem.mode != "output":
             return [self.recovery]
         rotation: list[DirectionProposer] = []
+        if self.subspace.has_work(ctx):
+            rotation.append(self.subspace)
         if ctx.problem.next_grad_weight is not None and self.next_layer.has_zero_sets(ctx):
             rotation.append(self.next_layer)
         return [*rotation, self.neurons, self.guided, self.recovery]

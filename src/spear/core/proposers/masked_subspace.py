@@ -1,0 +1,424 @@
+"""Directions from a known narrow layer above: every column of dL/dZ is a masked, known subspace.
+
+When the attacked layer's ReLU feeds a linear layer ``W'`` (k x m) that the server knows, the
+chain rule gives each sample's column ``dL/dZ_j = D_j W'^T delta_j``: the sample's ReLU pattern
+``D_j`` (a 0/1 diagonal) applied to a vector of the k-dimensional column space of ``W'^T``
+(``delta_j = dL/dZ'_j``). In a classifier head (k = 10 classes, as in the LT-code paper's
+shallow network or a CNN's ``Linear -> ReLU -> Linear(., 10)``) that space is tiny. Theorem 3.3
+puts the same column in the b-dimensional column space of L. So a pattern D is some sample's
+exactly when ``range(D W'^T)`` meets ``range(L)``: with ``P`` the projector onto the complement
+of ``range(L)``, when
+
+    ratio(D) = min over delta of ||P D W'^T delta||^2 / ||D W'^T delta||^2 = 0,
+
+which for m - b > k holds for no other pattern (generically: k unknowns against m - b
+equations). ``ratio`` is small for patterns *near* a sample's (a wrong row i adds about
+``(W'^T delta)_i^2``), so a local search over patterns finds the exact one from a guess with a
+quarter of its rows wrong: best-improving single flips at fixed ``delta`` (each flip's change is
+closed-form in ``P``'s diagonal and the running residual), then ``delta`` re-fitted by a k x k
+generalized eigenproblem, until the pattern is a fixed point. This needs no sparsity beyond the
+ReLU's, so it works where ~50% zeros are far too few for Lemma 5.2's sampling (b in the
+hundreds).
+
+Guesses come from what the server sees:
+
+* rows: ``x_i = (dL/dW)_i / (dL/db)_i`` is a weighted mean of the inputs that activate neuron i
+  (exactly one input for a singleton neuron); its pattern ``W x_i + bias > 0`` is a guess.
+* input features (columns of dL/dW): column p is ``sum_j x_jp dL/dZ_j`` over the samples whose
+  feature p is nonzero, few of them for sparse inputs (raw pixels, ReLU features). Found
+  directions are explained away exactly: on the rows where sample j alone (of those) is active
+  the column equals ``x_jp dL/dZ_j``, so ``column / (L q_j)`` repeats one value there
+  (``MIN_RUN`` times or more). What is left is one sample's column (its zero set is a hint as
+  it stands: the pixel-side LT cascade) or a mixture of fewer samples, whose larger half is a
+  new guess.
+
+Every hint goes through the core's exact snapping and sparsity filter, so a wrong pattern costs
+time, never correctness. Only server-side quantities are used: W, bias, W', dL/dW and dL/db.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from spear.core.proposers.base import (
+    DirectionProposer,
+    ProposalBatch,
+    ProposalContext,
+    hint_cost,
+    orthogonal_complement,
+)
+from spear.errors import InputError
+
+#: weight of ||y||^2 in the deflated objective (PatternSearch): the score of an unfound pattern
+ETA = 1e-10
+#: at most this many flips per pattern and step of the search
+MAX_BLOCK = 16
+#: with at most this many samples left, candidates of their inputs are guessed too
+#: (:func:`remainder_patterns`)
+REMAINDER_MAX = 32
+#: a found direction counts as part of a feature column when its ratio repeats this often
+MIN_RUN = 8
+#: two ratios are the same value within this (relative; float64 rounding is ~1e-15)
+RATIO_RTOL = 1e-9
+#: a pattern is converged at a ratio below this times the squared zero tolerance (float64
+#: gradients reach ~1e-28, float32 ones ~1e-14)
+CONVERGED = 100.0
+
+
+def applicable(ctx: ProposalContext) -> bool:
+    """Whether the layer above is known and narrow enough to pin patterns (m - b > k + margin)."""
+    p = ctx.problem
+    upper = getattr(p, "next_weight", None)
+    if p is None or p.mode != "output" or upper is None or ctx.noisy:
+        return False
+    k = upper.shape[0]
+    return ctx.rows - ctx.batch_size >= 2 * k + 8
+
+
+@dataclass
+class PatternSearch:
+    """The local search over ReLU patterns (module doc) for one layer problem.
+
+    Found columns are *deflated*: the search minimizes
+
+        (||P y||^2 + eta ||y||^2) / ||Pi y||^2,   y = D W'^T delta,
+
+    with ``Pi`` the projector onto the complement of the found columns. An unfound sample's
+    pattern still scores about eta (its column has a part outside the found ones, being
+    independent of them), while a found pattern's column lies in their span: its score is
+    unbounded, and patterns near it score like random ones. So guesses that converged to found
+    samples can be searched again and reach others. Convergence is judged on the plain ratio
+    ``||P y||^2 / ||y||^2``.
+
+    Attributes:
+        U: orthonormal basis of range(L) (m x b).
+        B: ``W'^T`` (m x k).
+        found: found columns of dL/dZ (m x f, any scale; f may be 0).
+    """
+
+    U: torch.Tensor
+    B: torch.Tensor
+    found: torch.Tensor
+
+    def __post_init__(self) -> None:
+        m, k = self.B.shape
+        eye = torch.eye(m, dtype=self.U.dtype, device=self.U.device)
+        self.P = eye - self.U @ self.U.T
+        self.P_diag = self.P.diagonal().clone()
+        V = torch.linalg.qr(self.found)[0] if self.found.shape[1] else self.found
+        self.Pi = eye - V @ V.T
+        self.Pi_diag = self.Pi.diagonal().clone()
+        # per-row outer products, so masked Gram matrices are one matmul each
+        self.BB = (self.B[:, :, None] * self.B[:, None, :]).reshape(m, k * k)
+        self.UB = (self.U[:, :, None] * self.B[:, None, :]).reshape(m, -1)
+        self.VB = (V[:, :, None] * self.B[:, None, :]).reshape(m, -1)
+
+    def fit(self, masks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """For patterns (S, m): the best delta (S, k) of the deflated objective and its plain
+        ratio (S,)."""
+        S, k = masks.shape[0], self.B.shape[1]
+        w = masks.to(self.U.dtype)
+        gram = (w @ self.BB).reshape(S, k, k)  # (D B)^T (D B)
+        inside = (w @ self.UB).reshape(S, -1, k)  # U^T D B
+        perp = gram - inside.transpose(1, 2) @ inside  # (D B)^T P (D B)
+        outside = (w @ self.VB).reshape(S, -1, k)  # V^T D B
+        fresh = gram - outside.transpose(1, 2) @ outside  # (D B)^T Pi (D B)
+        eye = torch.eye(k, dtype=gram.dtype, device=gram.device)
+        floor = 1e-14 * gram.diagonal(dim1=1, dim2=2).amax(1)[:, None, None] + 1e-300
+        chol, _ = torch.linalg.cholesky_ex(perp + ETA * gram + floor * eye)
+        left = torch.linalg.solve_triangular(chol, fresh, upper=False)
+        sym = torch.linalg.solve_triangular(chol, left.transpose(1, 2), upper=False)
+        _, vectors = torch.linalg.eigh(sym)  # the largest: most outside the found, least off L
+        delta = torch.linalg.solve_triangular(chol.transpose(1, 2), vectors[:, :, -1:], upper=True)[:, :, 0]
+        num = (delta[:, :, None] * perp * delta[:, None, :]).sum((1, 2))
+        den = (delta[:, :, None] * gram * delta[:, None, :]).sum((1, 2))
+        return delta, (num / den.clamp_min(torch.finfo(den.dtype).tiny)).clamp_min(0.0)
+
+    def descend(
+        self, masks: torch.Tensor, sweeps: int, flips: int, done: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Improving flips at fixed delta, then delta re-fitted, ``sweeps`` times at most or until
+        every plain ratio is below ``done``; returns the patterns (S, m) and ratios (S,)."""
+        masks = masks.clone()
+        ratio = torch.full((masks.shape[0],), float("inf"), dtype=self.U.dtype, device=masks.device)
+        live = torch.arange(masks.shape[0], device=masks.device)
+        for _ in range(sweeps):
+            delta, ratio[live] = self.fit(masks[live])
+            open_ = ratio[live] >= done
+            live, delta = live[open_], delta[open_]
+            if live.numel() == 0:
+                break
+            part = masks[live]
+            moved = self._flip(part, delta @ self.B.T, flips)
+            masks[live] = part
+            live = live[moved]
+            if live.numel() == 0:
+                break
+        if live.numel():
+            _, ratio[live] = self.fit(masks[live])
+        return masks, ratio
+
+    def _flip(self, masks: torch.Tensor, h: torch.Tensor, flips: int) -> torch.Tensor:
+        """Up to ``flips`` improving flips per pattern at fixed values ``h`` (S, m), in place;
+        returns which patterns moved. Each step takes the best flips of every pattern, a
+        quarter of its improving ones (at most ``MAX_BLOCK``, at least one): their interactions
+        (off-diagonal entries of the projectors, about sqrt(b)/m) are small, and every step
+        recomputes the objective exactly from running residuals."""
+        tiny = torch.finfo(h.dtype).tiny
+        moved = torch.zeros(masks.shape[0], dtype=torch.bool, device=masks.device)
+        live = torch.arange(masks.shape[0], device=masks.device)
+        state, h = masks[live], h[live]
+        y = state.to(h.dtype) * h
+        r = y - (y @ self.U) @ self.U.T  # P y
+        t = y @ self.Pi  # Pi y
+        h2 = h * h
+        done = 0
+        while done < flips and live.numel():
+            rr, tt, yy = (r * r).sum(1), (t * t).sum(1), (y * y).sum(1)
+            now = (rr + ETA * yy) / tt.clamp_min(tiny)
+            sign = 1.0 - 2.0 * state.to(h.dtype)  # +1 switches a row on, -1 off
+            num = rr[:, None] + 2 * sign * h * r + h2 * self.P_diag + ETA * (yy[:, None] + sign * h2)
+            den = tt[:, None] + 2 * sign * h * t + h2 * self.Pi_diag
+            gain = now[:, None] - num / den.clamp_min(tiny)
+            improving = gain > 1e-12 * now[:, None]
+            count = improving.sum(1)
+            still = count > 0
+            if not bool(still.all()):  # finished patterns leave the loop
+                masks[live] = state
+                keep = still.nonzero()[:, 0]
+                live, state, h, h2, r, t, y = (v[keep] for v in (live, state, h, h2, r, t, y))
+                sign, gain, improving, count = sign[keep], gain[keep], improving[keep], count[keep]
+                if live.numel() == 0:
+                    break
+            block = int(min(MAX_BLOCK, max(1, int(count.max()) // 4)))
+            rows = gain.topk(block, dim=1).indices
+            take = improving.gather(1, rows)
+            take[:, 1:] &= torch.arange(1, block, device=h.device)[None, :] < (count[:, None] + 3) // 4
+            step = sign.gather(1, rows) * h.gather(1, rows) * take.to(h.dtype)  # (S, block)
+            r += torch.einsum("sb,sbm->sm", step, self.P[rows])
+            t += torch.einsum("sb,sbm->sm", step, self.Pi[rows])
+            state.scatter_(1, rows, state.gather(1, rows) ^ take)
+            y = state.to(h.dtype) * h
+            moved[live] = True
+            done += block
+        masks[live] = state
+        return moved
+
+
+def row_guesses(ctx: ProposalContext) -> torch.Tensor:
+    """Patterns (k, m) of the weighted mean inputs ``(dL/dW)_i / (dL/db)_i`` of the neurons."""
+    p = ctx.problem
+    assert p is not None
+    db = p.grad_bias
+    usable = db.abs() > ctx.zero_rtol * db.abs().amax()
+    z = (p.L[usable] @ p.R_Wt) / db[usable, None] + p.bias  # W x_i + bias for each usable row
+    return z > 0
+
+
+def explain_away(columns: torch.Tensor, known: torch.Tensor, chunk: int = 8) -> torch.Tensor:
+    """Feature columns (n, m) minus the found columns of dL/dZ (f, m) each one contains,
+    detected by a run of ``MIN_RUN`` equal ratios (module doc). Each component is read off the
+    rows where its sample alone is active, which the others leave untouched, so they can be
+    removed together, and columns explained before by other found directions are fine."""
+    if known.shape[0] == 0 or columns.shape[0] == 0:
+        return columns
+    f, m = known.shape
+    nan = torch.tensor(float("nan"), dtype=columns.dtype, device=columns.device)
+    tiny = torch.finfo(columns.dtype).tiny
+    denominators = torch.where(known.abs() > tiny, known, nan)
+    parts = []
+    for v in columns.split(chunk):
+        c = v.shape[0]
+        ratio = torch.where(v.abs()[:, None, :] > tiny, v[:, None, :] / denominators, nan)
+        values = ratio.reshape(c * f, m).sort(dim=1).values  # NaNs last
+        weight = _most_repeated(values).reshape(c, f)
+        parts.append(v - weight @ known)
+    return torch.cat(parts)
+
+
+def _most_repeated(values: torch.Tensor) -> torch.Tensor:
+    """For each sorted row (NaNs last), the value repeated (within ``RATIO_RTOL``) most often,
+    if at least ``MIN_RUN`` times, else 0."""
+    rows, n = values.shape
+    valid = ~torch.isnan(values)
+    same = valid[:, 1:] & valid[:, :-1]
+    same &= (values[:, 1:] - values[:, :-1]).abs() <= RATIO_RTOL * values[:, 1:].abs()
+    group = torch.cat([torch.zeros(rows, 1, dtype=torch.long, device=values.device), (~same).cumsum(1)], 1)
+    flat = (group + n * torch.arange(rows, device=values.device)[:, None])[valid]
+    counts = torch.bincount(flat, minlength=rows * n).reshape(rows, n)
+    sums = torch.zeros(rows * n, dtype=values.dtype, device=values.device)
+    sums = sums.index_add_(0, flat, values[valid]).reshape(rows, n)
+    size, which = counts.max(dim=1)
+    mean = sums.gather(1, which[:, None])[:, 0] / size.clamp_min(1)
+    return torch.where(size >= MIN_RUN, mean, torch.zeros_like(mean))
+
+
+def remainder_patterns(ctx: ProposalContext, count: int) -> torch.Tensor:
+    """Patterns (k, m) of candidate inputs of the last r = b - f samples (f found directions).
+
+    ``sum_j q_j p_j^T = I`` makes the duals ``p`` of the unfound samples orthogonal to every found
+    ``q``, so their inputs ``x = R^T p`` span ``R^T`` of the found directions' complement, an
+    r-dimensional subspace. Each candidate vanishes on r - 1 random live features of it: one
+    sample's input when those features are zero for that sample (sparse inputs: pixels, ReLU
+    features). Its pattern ``W x + bias > 0`` is then exact; otherwise it is a guess.
+    """
+    p = ctx.problem
+    assert p is not None
+    b, found = ctx.batch_size, ctx.found.to(ctx.L.dtype)
+    basis = orthogonal_complement(found, b)  # (b, r)
+    r = basis.shape[1]
+    inputs = (basis.T @ p.R).T  # (n, r): the unfound samples' inputs are its column combinations
+    if r == 1:
+        coefficients = basis.new_ones(1, 1)
+    else:
+        size = inputs.abs().amax(dim=1)
+        live = (size > ctx.zero_rtol * size.amax()).nonzero()[:, 0]
+        if live.numel() < r - 1:
+            return torch.zeros(0, ctx.rows, dtype=torch.bool, device=ctx.L.device)
+        noise = torch.rand(count, live.numel(), generator=ctx.generator).to(live.device)
+        picks = live[noise.argsort(dim=1)[:, : r - 1]]
+        coefficients = torch.linalg.svd(inputs[picks], full_matrices=True).Vh[:, -1, :]
+    x = coefficients @ inputs.T  # (k, n)
+    x = x * torch.where(x.sum(dim=1, keepdim=True) < 0, -1.0, 1.0).to(x.dtype)
+    z = x @ p.weight.T + p.bias
+    return torch.unique(z > 0, dim=0)
+
+
+def column_guesses(
+    columns: torch.Tensor, zero_rtol: float, threshold: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """From feature columns (n, m), with found samples explained away: the zero sets of those
+    that are one sample's column already (exact hints), and the larger halves of the others
+    (mixtures of a few samples) as pattern guesses."""
+    scale = columns.abs().amax(dim=1, keepdim=True)
+    alive = scale[:, 0] > 0
+    columns, scale = columns[alive], scale[alive]
+    zeros = columns.abs() <= zero_rtol * scale
+    single = zeros.sum(1) >= threshold
+    size = columns.abs()
+    larger = size > size.median(dim=1, keepdim=True).values
+    return zeros[single], larger[~single]
+
+
+class MaskedSubspaceProposer(DirectionProposer):
+    """Zero sets from the pattern search of the module doc, started from the server's guesses.
+
+    All guesses are searched once; whenever the found directions have grown by
+    ``requeue_growth`` (a fraction of b) since, they are searched again against the new
+    deflation (:class:`PatternSearch`), so that guesses captured by found samples before can
+    reach the others. Between passes, new directions are explained away from the feature
+    columns, whose new hints and guesses join the queue.
+
+    Args:
+        guesses_per_call: patterns searched per call.
+        sweeps: delta re-fits per search, at most.
+        flips: single flips per sweep, at most.
+        hint_floor: rows whose fitted value is at most this times the largest are left out of a
+            converged pattern's zero set (a tiny active entry is the one a search may miss).
+        requeue_growth: growth of the found directions, as a fraction of b, that starts a new
+            pass over all guesses.
+    """
+
+    name = "subspace"
+
+    def __init__(
+        self,
+        guesses_per_call: int = 128,
+        sweeps: int = 30,
+        flips: int = 400,
+        hint_floor: float = 1e-3,
+        requeue_growth: float = 0.05,
+    ) -> None:
+        if guesses_per_call < 1 or sweeps < 1 or flips < 1 or not 0 < hint_floor < 1 or requeue_growth <= 0:
+            raise InputError(
+                "MaskedSubspaceProposer needs guesses_per_call, sweeps, flips >= 1, hint_floor in "
+                "(0, 1) and requeue_growth > 0"
+            )
+        self.guesses_per_call = guesses_per_call
+        self.sweeps = sweeps
+        self.flips = flips
+        self.hint_floor = hint_floor
+        self.requeue_growth = requeue_growth
+        self._key: int | None = None
+
+    def _prepare(self, ctx: ProposalContext) -> None:
+        if self._key == ctx.key:
+            return
+        p = ctx.problem
+        assert p is not None and p.next_weight is not None
+        self._key = ctx.key
+        self.U = torch.linalg.qr(ctx.L)[0]
+        self.B = p.next_weight.T.to(self.U.dtype)
+        self.columns = (ctx.L @ p.R).T  # (n, m): dL/dW's feature columns
+        self.explained = 0  # found directions explained away from the columns so far
+        self.deflated = -1  # found directions the current search deflates (-1: none built)
+        self.hints, column = column_guesses(self.columns, ctx.zero_rtol, ctx.threshold_count)
+        self.guesses = torch.cat([row_guesses(ctx), column])
+        self.queue = self.guesses[:0]
+
+    def has_work(self, ctx: ProposalContext) -> bool:
+        """Whether a call would search anything."""
+        if not applicable(ctx):
+            return False
+        self._prepare(ctx)
+        left = ctx.batch_size - ctx.found.shape[0]
+        queued = bool(self.queue.shape[0] or self.hints.shape[0])
+        return queued or self._due(ctx) or ctx.found.shape[0] > self.explained or 0 < left <= REMAINDER_MAX
+
+    def _due(self, ctx: ProposalContext) -> bool:
+        """Whether a new pass over all guesses is due."""
+        if self.deflated < 0:
+            return True
+        grown = ctx.found.shape[0] - self.deflated
+        return grown >= max(1.0, self.requeue_growth * ctx.batch_size)
+
+    def _refill(self, ctx: ProposalContext) -> None:
+        """Explain away the directions found since the last refill (the pixel-side cascade); start
+        a new pass over all guesses when one is due."""
+        found = ctx.found.to(ctx.L.dtype)
+        if found.shape[0] > self.explained:
+            known = found[self.explained :] @ ctx.L.T
+            self.explained = found.shape[0]
+            self.columns = explain_away(self.columns, known / known.abs().amax(dim=1, keepdim=True))
+            hints, column = column_guesses(self.columns, ctx.zero_rtol, ctx.threshold_count)
+            self.hints = torch.cat([self.hints, hints])
+            self.guesses = torch.cat([self.guesses, column])
+            self.queue = torch.cat([self.queue, column])
+        if self._due(ctx):
+            self.deflated = found.shape[0]
+            self.search = PatternSearch(self.U, self.B, (found @ ctx.L.T).T)
+            self.queue = self.guesses
+        elif self.queue.shape[0] == 0 and 0 < ctx.batch_size - found.shape[0] <= REMAINDER_MAX:
+            self.queue = remainder_patterns(ctx, self.guesses_per_call)
+
+    def cost(self, ctx: ProposalContext) -> float:
+        m, b = ctx.rows, ctx.batch_size
+        upper = ctx.problem.next_weight if ctx.problem is not None else None
+        k = upper.shape[0] if upper is not None else 1
+        search = self.guesses_per_call * self.sweeps * (6 * m * b * k + 40 * m)
+        return search + hint_cost(ctx, self.guesses_per_call)
+
+    def propose(self, ctx: ProposalContext, max_proposals: int) -> ProposalBatch:
+        self._prepare(ctx)
+        b = ctx.batch_size
+        if self.queue.shape[0] == 0:
+            self._refill(ctx)
+        hints, self.hints = self.hints, self.hints[:0]
+        count = min(self.guesses_per_call, self.queue.shape[0], max(1, max_proposals))
+        guesses, self.queue = self.queue[:count], self.queue[count:]
+        if count:
+            done = CONVERGED * ctx.zero_rtol**2
+            masks, ratio = self.search.descend(guesses, self.sweeps, self.flips, done)
+            delta, _ = self.search.fit(masks)
+            h = (delta @ self.B.T).abs()
+            firm = h > self.hint_floor * h.amax(dim=1, keepdim=True)
+            hints = torch.cat([hints, (~masks & firm)[ratio < done]])
+        hints = hints[hints.sum(dim=1) >= b - 1]
+        directions = torch.zeros(hints.shape[0], b, dtype=ctx.L.dtype, device=ctx.L.device)
+        spent = not count and not self.has_work(ctx)
+        return ProposalBatch(directions, n_drawn=max(1, count), zero_hint=hints, exhausted=spent)
+
+
+__all__ = ["MaskedSubspaceProposer", "PatternSearch", "applicable", "explain_away"]

@@ -8,6 +8,7 @@ be right, only often right. A new strategy is one new file with one :class:`Dire
 from spear.core.proposers.auto import AutoProposer
 from spear.core.proposers.base import DirectionProposer, ProposalBatch, ProposalContext
 from spear.core.proposers.guided import GuidedSampler
+from spear.core.proposers.masked_subspace import MaskedSubspaceProposer
 from spear.core.proposers.neurons import NeuronGuidedSampler
 from spear.core.proposers.next_layer import NextLayerProposer
 from spear.core.proposers.noisy import NoisySubmatrixSampler
@@ -22,6 +23,7 @@ PROPOSERS = {
     "guided": GuidedSampler,
     "neurons": NeuronGuidedSampler,
     "next_layer": NextLayerProposer,
+    "subspace": MaskedSubspaceProposer,
     "noisy": NoisySubmatrixSampler,
     "auto": AutoProposer,
 }
@@ -31,6 +33,7 @@ __all__ = [
     "AutoProposer",
     "DirectionProposer",
     "GuidedSampler",
+    "MaskedSubspaceProposer",
     "NeuronGuidedSampler",
     "NextLayerProposer",
     "NoisySubmatrixSampler",

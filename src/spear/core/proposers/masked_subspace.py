@@ -62,9 +62,14 @@ REMAINDER_MAX = 32
 MIN_RUN = 8
 #: two ratios are the same value within this (relative; float64 rounding is ~1e-15)
 RATIO_RTOL = 1e-9
-#: a pattern is converged at a ratio below this times the squared zero tolerance (float64
-#: gradients reach ~1e-28, float32 ones ~1e-14)
+#: a pattern is converged at a ratio below this times the squared zero tolerance (float32
+#: gradients: 1e-6) ...
 CONVERGED = 100.0
+#: ... or below this, the float64 floor of the ratio (PatternSearch.fit cancels ||y||^2 - ||U^T y||^2)
+RATIO_FLOOR = 1e4 * torch.finfo(torch.float64).eps
+#: a converged pattern's zero set leaves out the rows whose own cost if wrong, ``h_i^2 P_ii``, is
+#: below this times ``done ||y||^2``: such a row could be wrong without the ratio showing it
+FIRM = 100.0
 
 
 def applicable(ctx: ProposalContext) -> bool:
@@ -115,9 +120,10 @@ class PatternSearch:
         self.UB = (self.U[:, :, None] * self.B[:, None, :]).reshape(m, -1)
         self.VB = (V[:, :, None] * self.B[:, None, :]).reshape(m, -1)
 
-    def fit(self, masks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """For patterns (S, m): the best delta (S, k) of the deflated objective and its plain
-        ratio (S,)."""
+    def fit(self, masks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """For patterns (S, m): the delta (S, k) the deflated objective prefers (the search's
+        direction), the plain ratio's minimizer (S, k) and that minimum (S,), which is what
+        convergence is judged on: deflation shifts its own optimum by about eta / ||Pi y||^2."""
         S, k = masks.shape[0], self.B.shape[1]
         w = masks.to(self.U.dtype)
         gram = (w @ self.BB).reshape(S, k, k)  # (D B)^T (D B)
@@ -126,15 +132,13 @@ class PatternSearch:
         outside = (w @ self.VB).reshape(S, -1, k)  # V^T D B
         fresh = gram - outside.transpose(1, 2) @ outside  # (D B)^T Pi (D B)
         eye = torch.eye(k, dtype=gram.dtype, device=gram.device)
-        floor = 1e-14 * gram.diagonal(dim1=1, dim2=2).amax(1)[:, None, None] + 1e-300
-        chol, _ = torch.linalg.cholesky_ex(perp + ETA * gram + floor * eye)
-        left = torch.linalg.solve_triangular(chol, fresh, upper=False)
-        sym = torch.linalg.solve_triangular(chol, left.transpose(1, 2), upper=False)
-        _, vectors = torch.linalg.eigh(sym)  # the largest: most outside the found, least off L
-        delta = torch.linalg.solve_triangular(chol.transpose(1, 2), vectors[:, :, -1:], upper=True)[:, :, 0]
-        num = (delta[:, :, None] * perp * delta[:, None, :]).sum((1, 2))
-        den = (delta[:, :, None] * gram * delta[:, None, :]).sum((1, 2))
-        return delta, (num / den.clamp_min(torch.finfo(den.dtype).tiny)).clamp_min(0.0)
+        floor = (1e-14 * gram.diagonal(dim1=1, dim2=2).amax(1)[:, None, None] + 1e-300) * eye
+        # the deflated objective: the largest ||Pi y||^2 / (||P y||^2 + eta ||y||^2)
+        values, delta = _generalized_eigh(fresh, perp + ETA * gram + floor)
+        search = delta[:, :, -1]
+        # the plain ratio ||P y||^2 / ||y||^2: its smallest value
+        values, delta = _generalized_eigh(perp, gram + floor)
+        return search, delta[:, :, 0], values[:, 0].clamp_min(0.0)
 
     def descend(
         self, masks: torch.Tensor, sweeps: int, flips: int, done: float
@@ -145,7 +149,7 @@ class PatternSearch:
         ratio = torch.full((masks.shape[0],), float("inf"), dtype=self.U.dtype, device=masks.device)
         live = torch.arange(masks.shape[0], device=masks.device)
         for _ in range(sweeps):
-            delta, ratio[live] = self.fit(masks[live])
+            delta, _, ratio[live] = self.fit(masks[live])
             open_ = ratio[live] >= done
             live, delta = live[open_], delta[open_]
             if live.numel() == 0:
@@ -157,7 +161,7 @@ class PatternSearch:
             if live.numel() == 0:
                 break
         if live.numel():
-            _, ratio[live] = self.fit(masks[live])
+            _, _, ratio[live] = self.fit(masks[live])
         return masks, ratio
 
     def _flip(self, masks: torch.Tensor, h: torch.Tensor, flips: int) -> torch.Tensor:
@@ -205,6 +209,16 @@ class PatternSearch:
             done += block
         masks[live] = state
         return moved
+
+
+def _generalized_eigh(A: torch.Tensor, M: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Eigenvalues (S, k, ascending) and M-orthonormal eigenvectors (S, k, k; columns) of the
+    symmetric pencils ``A v = lambda M v``, M positive definite."""
+    chol, _ = torch.linalg.cholesky_ex(M)
+    left = torch.linalg.solve_triangular(chol, A, upper=False)
+    sym = torch.linalg.solve_triangular(chol, left.transpose(1, 2), upper=False)
+    values, vectors = torch.linalg.eigh(sym)
+    return values, torch.linalg.solve_triangular(chol.transpose(1, 2), vectors, upper=True)
 
 
 def row_guesses(ctx: ProposalContext) -> torch.Tensor:
@@ -315,8 +329,6 @@ class MaskedSubspaceProposer(DirectionProposer):
         guesses_per_call: patterns searched per call.
         sweeps: delta re-fits per search, at most.
         flips: single flips per sweep, at most.
-        hint_floor: rows whose fitted value is at most this times the largest are left out of a
-            converged pattern's zero set (a tiny active entry is the one a search may miss).
         requeue_growth: growth of the found directions, as a fraction of b, that starts a new
             pass over all guesses.
     """
@@ -328,18 +340,15 @@ class MaskedSubspaceProposer(DirectionProposer):
         guesses_per_call: int = 128,
         sweeps: int = 30,
         flips: int = 400,
-        hint_floor: float = 1e-3,
         requeue_growth: float = 0.05,
     ) -> None:
-        if guesses_per_call < 1 or sweeps < 1 or flips < 1 or not 0 < hint_floor < 1 or requeue_growth <= 0:
+        if guesses_per_call < 1 or sweeps < 1 or flips < 1 or requeue_growth <= 0:
             raise InputError(
-                "MaskedSubspaceProposer needs guesses_per_call, sweeps, flips >= 1, hint_floor in "
-                "(0, 1) and requeue_growth > 0"
+                "MaskedSubspaceProposer needs guesses_per_call, sweeps, flips >= 1 and requeue_growth > 0"
             )
         self.guesses_per_call = guesses_per_call
         self.sweeps = sweeps
         self.flips = flips
-        self.hint_floor = hint_floor
         self.requeue_growth = requeue_growth
         self._key: int | None = None
 
@@ -409,11 +418,12 @@ class MaskedSubspaceProposer(DirectionProposer):
         count = min(self.guesses_per_call, self.queue.shape[0], max(1, max_proposals))
         guesses, self.queue = self.queue[:count], self.queue[count:]
         if count:
-            done = CONVERGED * ctx.zero_rtol**2
+            done = max(CONVERGED * ctx.zero_rtol**2, RATIO_FLOOR)
             masks, ratio = self.search.descend(guesses, self.sweeps, self.flips, done)
-            delta, _ = self.search.fit(masks)
-            h = (delta @ self.B.T).abs()
-            firm = h > self.hint_floor * h.amax(dim=1, keepdim=True)
+            _, delta, _ = self.search.fit(masks)
+            h = delta @ self.B.T
+            y2 = ((masks * h) ** 2).sum(dim=1, keepdim=True)
+            firm = h**2 * self.search.P_diag > FIRM * done * y2
             hints = torch.cat([hints, (~masks & firm)[ratio < done]])
         hints = hints[hints.sum(dim=1) >= b - 1]
         directions = torch.zeros(hints.shape[0], b, dtype=ctx.L.dtype, device=ctx.L.device)

@@ -1,0 +1,161 @@
+"""The known narrow layer above (``spear.core.proposers.masked_subspace``): every column of dL/dZ
+is a ReLU-masked vector of range(W'^T), which pins a sample's pattern where ~50% zeros are far
+too few for Lemma 5.2's sampling."""
+
+import pytest
+import torch
+
+import spear
+from spear.core.proposers import MaskedSubspaceProposer, ProposalContext
+from spear.core.proposers.masked_subspace import (
+    RATIO_FLOOR,
+    PatternSearch,
+    applicable,
+    explain_away,
+    remainder_patterns,
+)
+from spear.core.scale import LayerProblem
+from spear.data import load_dataset
+from spear.errors import InputError
+from spear.fl import shallow_mlp, simulate_fedsgd
+from spear.metrics import match_samples
+from tests.conftest import assert_exact, make_client
+
+DONE = RATIO_FLOOR  # the search's convergence level for float64 gradients
+
+
+def shallow_case(b: int, width: int, seed: int, dtype: torch.dtype = torch.float64):
+    """The LT paper's setting at test size: model, server view, ground truth (raw MNIST)."""
+    dataset = load_dataset("mnist")
+    model = shallow_mlp(dataset.features, width, seed=seed, dtype=dtype)
+    view, truth = simulate_fedsgd(model, dataset, b, seed=seed, normalize=False)
+    return model, view, truth
+
+
+def layer_problem(model: torch.nn.Sequential, gradients: dict, b: int) -> LayerProblem:
+    first, head = model[0], model[2]
+    grad = gradients["0.weight"].to(torch.float64)
+    U, S, Vh = torch.linalg.svd(grad, full_matrices=False)
+    return LayerProblem(
+        first.weight.detach().double(),
+        first.bias.detach().double(),
+        gradients["0.bias"].double(),
+        U[:, :b] * S[:b],
+        Vh[:b],
+        "output",
+        gradients["2.weight"].double(),
+        head.weight.detach().double(),
+    )
+
+
+def context(problem: LayerProblem, found: torch.Tensor | None = None) -> ProposalContext:
+    b = problem.batch_size
+    return ProposalContext(
+        L=problem.L,
+        batch_size=b,
+        threshold_count=int(0.4 * problem.L.shape[0]),
+        generator=torch.Generator().manual_seed(0),
+        proposal_dtype=torch.float64,
+        found=torch.empty(0, b, dtype=torch.float64) if found is None else found,
+        problem=problem,
+    )
+
+
+def true_columns(model: torch.nn.Sequential, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Evaluation side: the batch's dL/dZ (m x b) of the first layer, from the ground truth."""
+    z = model[0](inputs.reshape(inputs.shape[0], -1).double()).detach().requires_grad_(True)
+    loss = torch.nn.functional.cross_entropy(model[2](torch.relu(z)), labels)
+    (grad,) = torch.autograd.grad(loss, z)
+    return grad.T
+
+
+def flipped(patterns: torch.Tensor, fraction: float, seed: int) -> torch.Tensor:
+    noise = torch.rand(patterns.shape, generator=torch.Generator().manual_seed(seed))
+    return patterns ^ (noise < fraction)
+
+
+@pytest.fixture(scope="module")
+def case():
+    b, width = 64, 400
+    model, view, truth = shallow_case(b, width, seed=1)
+    problem = layer_problem(view.model, view.gradients, b)
+    columns = true_columns(view.model, truth.inputs, truth.labels)
+    patterns = (columns != 0).T  # (b, m): each sample's ReLU pattern
+    return model, view, truth, problem, columns, patterns
+
+
+def test_pattern_search_finds_exact_patterns_from_a_sixth_of_their_rows_wrong(case):
+    _, view, _, problem, columns, patterns = case
+    U = torch.linalg.qr(problem.L)[0]
+    search = PatternSearch(U, view.model[2].weight.detach().T.double(), columns[:, :0])
+    start = flipped(patterns, 1 / 6, seed=0)
+    assert int((start != patterns).sum(1).min()) > 40  # a sixth of 400 rows, per sample
+    masks, ratio = search.descend(start, sweeps=30, flips=400, done=DONE)
+    exact = (masks == patterns).all(dim=1)
+    assert int(exact.sum()) >= 60 and bool((ratio[exact] < DONE).all())
+    # a pattern that is no sample's is never converged: wrong rows cost their values squared
+    _, _, wrong = search.fit(flipped(patterns, 0.02, seed=1))
+    assert float(wrong.min()) > 1e3 * DONE
+
+
+def test_deflation_makes_found_patterns_repel_and_keeps_the_others(case):
+    _, view, _, problem, columns, patterns = case
+    U = torch.linalg.qr(problem.L)[0]
+    half = columns.shape[1] // 2
+    search = PatternSearch(U, view.model[2].weight.detach().T.double(), columns[:, :half])
+    masks, ratio = search.descend(flipped(patterns, 0.1, seed=2), sweeps=30, flips=400, done=DONE)
+    converged = ratio < DONE
+    back_to_found = (masks[:half] == patterns[:half]).all(dim=1) & converged[:half]
+    assert int(back_to_found.sum()) == 0
+    reached = (masks[half:] == patterns[half:]).all(dim=1) & converged[half:]
+    assert int(reached.sum()) >= half - 3
+
+
+def test_explain_away_removes_exactly_the_found_columns_a_feature_column_holds():
+    g = torch.Generator().manual_seed(0)
+    m = 300
+    masks = torch.rand(3, m, generator=g) < 0.5
+    cols = torch.randn(3, m, generator=g, dtype=torch.float64) * masks
+    feature = 2.0 * cols[0] + 3.0 * cols[1] + 0.5 * cols[2]
+    unit = cols[:2] / cols[:2].abs().amax(dim=1, keepdim=True)
+    rest = explain_away(feature[None], unit)[0]
+    assert torch.allclose(rest, 0.5 * cols[2], rtol=0, atol=1e-12)
+    # a column without a found sample is left as it is
+    assert torch.equal(explain_away(cols[2:3], unit), cols[2:3])
+
+
+def test_the_last_samples_inputs_give_their_exact_patterns(case):
+    _, _, _, problem, columns, patterns = case
+    directions = torch.linalg.lstsq(problem.L, columns).solution.T  # true q_j, evaluation side
+    directions = directions / directions.norm(dim=1, keepdim=True)
+    left = 3
+    ctx = context(problem, found=directions[left:])
+    guessed = remainder_patterns(ctx, count=512)
+    for j in range(left):
+        assert bool((guessed == patterns[j]).all(dim=1).any())
+
+
+def test_applies_only_below_a_narrow_known_layer(case):
+    _, _, _, problem, _, _ = case
+    assert applicable(context(problem))
+    client = make_client(20, width=200, depth=3, seed=0)  # the next layer is 200 wide
+    weight, bias, grad_w, grad_b = client.layer_args()
+    U, S, Vh = torch.linalg.svd(grad_w.double(), full_matrices=False)
+    split = (U[:, :20] * S[:20], Vh[:20])
+    wide = LayerProblem(weight, bias, grad_b, *split, "output", None, torch.zeros(200, 200))
+    assert not applicable(context(wide))
+    with pytest.raises(InputError, match="guesses_per_call"):
+        MaskedSubspaceProposer(guesses_per_call=0)
+
+
+def test_shallow_network_beyond_sampling_reach_is_recovered_exactly():
+    """m/b ~ 2.9 on raw MNIST: each column has ~50% zeros, so Lemma 5.2's sampling needs ~1e38
+    proposals; the pattern search finds all b columns within a bounded number of guesses."""
+    b, width = 104, 300
+    _, view, truth = shallow_case(b, width, seed=4)
+    proposer = MaskedSubspaceProposer()
+    rec = spear.attack_layer(view.model, "0", view.gradients, seed=0, proposer=proposer, max_proposals=20_000)
+    assert rec.verified and rec.verified_by == "model"
+    assert_exact(rec.inputs, truth.inputs)
+    est, ref = match_samples(rec.inputs, truth.inputs)
+    assert torch.equal(rec.labels[est], truth.labels[ref])

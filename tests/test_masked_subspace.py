@@ -159,3 +159,30 @@ def test_shallow_network_beyond_sampling_reach_is_recovered_exactly():
     assert_exact(rec.inputs, truth.inputs)
     est, ref = match_samples(rec.inputs, truth.inputs)
     assert torch.equal(rec.labels[est], truth.labels[ref])
+
+
+def test_columns_the_model_certifies_alone_count_when_the_batch_is_not_verified():
+    from spear.core.certificate import BatchReduction, SampleCertificates
+    from spear.core.verdict import individually_certified
+
+    ok = torch.tensor([True, True, True, True, False, True])
+    cert = SampleCertificates(
+        ok=ok,
+        labels=torch.tensor([1, 2, 3, 4, -1, 5]),
+        weights=torch.full((6,), 1 / 6, dtype=torch.float64),
+        misfit=torch.zeros(6, dtype=torch.float64),
+        strong=torch.tensor([True, True, False, True, False, True]),  # 2: sign only
+        saturated=torch.tensor([False, False, False, False, False, True]),
+    )
+    reduction = BatchReduction("mean", torch.tensor([1, 2, 1, 1, 1, 1]), 7, 0)  # 1 stands for two
+    peeled = torch.tensor([False, False, False, True, False, False])  # 3 counted already
+    assert individually_certified(cert, reduction, peeled).tolist() == [
+        True,
+        False,
+        False,
+        False,
+        False,
+        False,
+    ]
+    none_fits = BatchReduction(None, None, None, None)
+    assert not bool(individually_certified(cert, none_fits, peeled).any())

@@ -457,9 +457,14 @@ def compare(
     for r in result.records:
         m = r["metrics"]
         table.add_row(
-            r["method"], _fmt(m.get("psnr"), 3), _fmt(m.get("ssim"), 3), _fmt(m.get("lpips"), 3),
-            "yes" if m["accuracy"] == 1.0 else "no", f"{r['exact_samples']}/{r['batch_size']}",
-            str(r["verified"]), f"{r['seconds']:.1f}",
+            r["method"],
+            _fmt(m.get("psnr"), 3),
+            _fmt(m.get("ssim"), 3),
+            _fmt(m.get("lpips"), 3),
+            "yes" if m["accuracy"] == 1.0 else "no",
+            f"{r['exact_samples']}/{r['batch_size']}",
+            str(r["verified"]),
+            f"{r['seconds']:.1f}",
         )
     console.print(table)
 

@@ -119,4 +119,3 @@ class GeipingAttack(Attack):
                 with torch.no_grad():
                     inputs.copy_(torch.maximum(torch.minimum(inputs, bounds[1]), bounds[0]))
         return run
-

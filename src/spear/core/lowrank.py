@@ -108,6 +108,7 @@ def numerical_rank(
 #: gap when that gap is at least this large; below it the batch is buried in the noise
 NOISY_GAP = 10.0
 
+
 def largest_gap(singular_values: torch.Tensor) -> tuple[int, float]:
     """The k with the largest drop ``s_k / s_(k+1)`` among nonzero singular values, and that
     drop (0 when there are fewer than two): where a batch stands out of full-rank noise."""

@@ -684,6 +684,7 @@ def finish(
     """The :class:`Reconstruction` of the best selection (or of what was certified so far)."""
     b, opts = setup.b, setup.options
     rows = setup.problem.sparse_factor.shape[0]
+    certified_inputs, certified_labels = _certified_samples(setup, peeled, verdict)
     stats = AttackStats(
         proposals=0 if attack is None else attack.drawn,
         candidates=1 if attack is None else len(attack.pool),
@@ -693,7 +694,7 @@ def finish(
         stop_reason=reason,
         threshold_count=setup.threshold,
         tau=setup.threshold / rows,
-        certified=len(peeled),
+        certified=0 if certified_inputs is None else int(certified_inputs.shape[0]),
         dead_neurons=int((~setup.live).sum()),
         certificate_seconds=gate.seconds,
     )
@@ -702,14 +703,13 @@ def finish(
         + ([] if gate.note is None else [gate.note])
         + ([] if verdict is None else verdict.notes)
     )
-    has_labels = bool((peeled.labels >= 0).any())
     common = {
         "batch_size": b,
         "singular_values": setup.split.singular_values,
         "stats": stats,
         "mode": opts.sparsity,
-        "certified_inputs": setup.expand_inputs(peeled.inputs) if len(peeled) else None,
-        "certified_labels": peeled.labels if len(peeled) and has_labels else None,
+        "certified_inputs": certified_inputs,
+        "certified_labels": certified_labels,
         "notes": notes,
     }
     peeled_note = f"; {len(peeled)} sample(s) recovered and certified one by one" if len(peeled) else ""
@@ -780,6 +780,24 @@ def finish(
         ambiguous=verdict.determinacy.groups,
         **common,
     )
+
+
+def _certified_samples(
+    setup: AttackSetup, peeled: PeeledSamples, verdict: Verdict | None
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """The samples certified one by one: those peeled, and, in a consistent batch the model does
+    not verify as a whole, its columns the model certifies on their own
+    (:func:`spear.core.verdict.individually_certified`); with their labels (-1 where unknown),
+    or None when no label is known."""
+    inputs, labels = setup.expand_inputs(peeled.inputs), peeled.labels
+    extra = None if verdict is None or verdict.verified else verdict.individual
+    if extra is not None and bool(extra.any()):
+        assert verdict is not None and verdict.certificates is not None
+        inputs = torch.cat([inputs, verdict.inputs[extra].to(inputs)])
+        labels = torch.cat([labels, verdict.certificates.labels[extra].to(labels)])
+    if inputs.shape[0] == 0:
+        return None, None
+    return inputs, labels if bool((labels >= 0).any()) else None
 
 
 def _single_sample(setup: AttackSetup, gate: ModelGate) -> Reconstruction:

@@ -97,7 +97,7 @@ class AttackStats:
     stop_reason: str  # "sigma=1", "accepted", "budget", "time budget", "interrupted", "exhausted", "trivial"
     threshold_count: int
     tau: float
-    certified: int = 0  # samples peeled and certified one by one (core.peeling)
+    certified: int = 0  # samples certified one by one (peeled, or model-certified columns)
     dead_neurons: int = 0  # neurons inactive for the whole batch (left out of the search)
     certificate_seconds: float = 0.0  # time spent in the model-level certificate
 
@@ -130,7 +130,9 @@ class Reconstruction:
         message: a one-line human summary.
         certified_inputs: (f, n) the samples recovered and certified one at a time (through
             the next layer's gradient, or the model), or None. They are exact even when the
-            whole batch was not recovered (then ``inputs`` is None).
+            whole batch was not recovered (then ``inputs`` is None). When the batch is
+            consistent but not verified as a whole, its columns the model certifies on their
+            own (discriminative fit, one sample's weight, not saturated) are among them.
         labels: (b,) the label of each sample, from the model-level certificate (-1 where it
             did not certify one), or None without a model.
         multiplicities: (b,) how many samples each column stands for (its loss weight over one

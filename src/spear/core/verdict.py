@@ -108,6 +108,10 @@ class Verdict:
     reject: list[int]  # positions of the selection the model shows to be wrong
     problems: list[str] = field(default_factory=list)  # why it is not verified
     notes: list[str] = field(default_factory=list)  # remarks on a verified result
+    #: (b,) columns of a consistent batch that the model certifies on their own, beyond those
+    #: peeled: a discriminative fit, not saturated, one sample's loss weight. They count as
+    #: certified samples when the batch as a whole is not verified (e.g. two sign-only ones)
+    individual: torch.Tensor | None = None
 
     @property
     def verified(self) -> bool:
@@ -155,6 +159,7 @@ def judge(
     )
     if cert is not None:
         _judge_by_model(verdict, cert, pinned, tol, gate.trusted, clients)
+        verdict.individual = individually_certified(cert, verdict.reduction, certified)
     elif not gate.active and consistent:
         if not resolvable:
             verdict.problems.append(UNRESOLVABLE)
@@ -180,6 +185,18 @@ def judge(
 #: b = 32): a trace of 1.1e-5 put a sample of share ~2e-3 5.8e-3 off while every check of the
 #: layer held. The worst case (c = 1) would need share >= 0.1; this takes c = 0.1.
 FAINT_SHARE = 0.1
+
+
+def individually_certified(
+    cert: SampleCertificates, reduction: BatchReduction, certified: torch.Tensor
+) -> torch.Tensor:
+    """Columns the model certifies one by one as in the singleton cascade: a discriminative fit,
+    not saturated, with one sample's loss weight (multiplicity 1 of the batch's reduction; none
+    when no reduction fits), not peeled already (``certified``)."""
+    single = torch.zeros_like(cert.ok)
+    if reduction.multiplicities is not None:
+        single = reduction.multiplicities.to(cert.ok.device) == 1
+    return cert.ok & cert.strong & ~cert.saturated & single & ~certified.to(cert.ok.device)
 
 
 def faint_samples(inputs: torch.Tensor, grad_outputs: torch.Tensor, tol: Tolerances) -> list[int]:

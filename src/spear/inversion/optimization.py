@@ -55,7 +55,7 @@ def invert_features(
     dtype = next((p.dtype for p in below.parameters()), torch.float64)
     target = features.detach().to(dtype)
     generator = torch.Generator().manual_seed(settings.seed)
-    images = (0.5 + 0.01 * torch.randn(target.shape[0], *image_shape, generator=generator, dtype=dtype))
+    images = 0.5 + 0.01 * torch.randn(target.shape[0], *image_shape, generator=generator, dtype=dtype)
     images.requires_grad_(True)
     optimizer = torch.optim.Adam([images], lr=settings.lr)
     scale = target.pow(2).sum(1).clamp(min=1e-30)

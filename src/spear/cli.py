@@ -168,7 +168,10 @@ PretrainOpt = Annotated[
 SingleOpt = Annotated[bool, typer.Option(help="all samples of one label (heterogeneous client)")]
 PfrOpt = Annotated[float, typer.Option(help="false-rejection rate p_fr (sets tau)")]
 ProposerOpt = Annotated[
-    str, typer.Option(help="direction proposer: auto, sampling, irls, guided, neurons, next_layer, noisy")
+    str,
+    typer.Option(
+        help="direction proposer: auto, sampling, irls, guided, neurons, next_layer, subspace, noisy"
+    ),
 ]
 DtypeOpt = Annotated[
     str | None,

@@ -54,7 +54,7 @@ class AttackOptions:
         proposer: a :class:`DirectionProposer`, or a name: "auto" (default: random sampling for
             small batches; for large ones next-layer zero sets, neuron-guided and
             complement-guided sampling and ICA+IRLS, see :class:`AutoProposer`), "sampling" (the
-            paper's Algorithm 1), "irls", "guided", "neurons", "next_layer" (one strategy only).
+            paper's Algorithm 1), "irls", "guided", "neurons", "next_layer", "subspace" (one strategy only).
         peel: recover samples one at a time through the next layer's weight gradient, when it
             is given, and continue on the residual problem of the others (:mod:`spear.core.peeling`).
         clients: the gradient is the sum of this many clients' updates (secure aggregation):

@@ -72,11 +72,12 @@ class AutoProposer(DirectionProposer):
         if ctx.problem is None or ctx.problem.mode != "output":
             return [self.recovery]
         rotation: list[DirectionProposer] = []
-        if self.subspace.has_work(ctx):
-            rotation.append(self.subspace)
         if ctx.problem.next_grad_weight is not None and self.next_layer.has_zero_sets(ctx):
             rotation.append(self.next_layer)
-        return [*rotation, self.neurons, self.guided, self.recovery]
+        rotation.append(self.neurons)
+        if self.subspace.has_work(ctx):  # polynomial at any b, but slower where neurons suffice
+            rotation.append(self.subspace)
+        return [*rotation, self.guided, self.recovery]
 
     def propose(self, ctx: ProposalContext, max_proposals: int) -> ProposalBatch:
         self._turn += 1

@@ -55,6 +55,8 @@ from spear.errors import InputError
 ETA = 1e-10
 #: at most this many flips per pattern and step of the search
 MAX_BLOCK = 16
+#: sweeps a search takes on average, for the cost estimate
+TYPICAL_SWEEPS = 8
 #: with at most this many samples left, candidates of their inputs are guessed too
 #: (:func:`remainder_patterns`)
 REMAINDER_MAX = 32
@@ -406,7 +408,9 @@ class MaskedSubspaceProposer(DirectionProposer):
         m, b = ctx.rows, ctx.batch_size
         upper = ctx.problem.next_weight if ctx.problem is not None else None
         k = upper.shape[0] if upper is not None else 1
-        search = self.guesses_per_call * self.sweeps * (6 * m * b * k + 40 * m)
+        # a few sweeps on average (most guesses settle early), each two masked Gram products
+        # and some dozens of flip steps
+        search = self.guesses_per_call * TYPICAL_SWEEPS * (2 * m * b * k + 1000 * m)
         return search + hint_cost(ctx, self.guesses_per_call)
 
     def propose(self, ctx: ProposalContext, max_proposals: int) -> ProposalBatch:

@@ -9,7 +9,7 @@ batch recovered exactly *and* certified: here a sample counts when the result ce
 whole batch verified, or the sample certified on its own in ``rec.certified_inputs``) and it
 matches a true input to 1e-6 after order-invariant matching (with its label, when recovered).
 
-Default (about 15 minutes on 2 cores; nothing else running):
+Default (about 20 minutes on 2 cores; nothing else running):
     python benchmarks/bench_passive.py
 Full setting (all data sets, b up to 512, 5 seeds):
     python benchmarks/bench_passive.py --datasets mnist fashion-mnist photos32 --seeds 5 \\

@@ -186,3 +186,31 @@ def test_columns_the_model_certifies_alone_count_when_the_batch_is_not_verified(
     ]
     none_fits = BatchReduction(None, None, None, None)
     assert not bool(individually_certified(cert, none_fits, peeled).any())
+
+
+def test_explain_away_at_float32_precision_and_clear_errors_when_not_applicable(case):
+    g = torch.Generator().manual_seed(1)
+    m = 300
+    cols = torch.randn(2, m, generator=g, dtype=torch.float64) * (torch.rand(2, m, generator=g) < 0.5)
+    feature = 2.0 * cols[0] + 3.0 * cols[1]
+    noisy = feature * (1 + 1e-7 * torch.randn(m, generator=g, dtype=torch.float64))  # float32 rounding
+    unit = cols[:1] / cols[:1].abs().amax()
+    assert torch.equal(explain_away(noisy[None], unit)[0], noisy)  # float64's tolerance: no run
+    rest = explain_away(noisy[None], unit, rtol=1e-6)[0]
+    assert float((rest - 3.0 * cols[1]).abs().max()) < 1e-5
+    # alone, the proposer names what it needs instead of failing deep inside
+    _, _, _, problem, _, _ = case
+    without = LayerProblem(problem.weight, problem.bias, problem.grad_bias, problem.L, problem.R)
+    with pytest.raises(InputError, match="next linear layer"):
+        MaskedSubspaceProposer().propose(context(without), 100)
+
+
+def test_auto_does_not_stop_when_one_of_its_proposers_runs_dry(case):
+    from spear.core.proposers import AutoProposer, ProposalBatch
+
+    *_, problem, _, _ = case
+    auto = AutoProposer()
+    auto.subspace.propose = lambda ctx, n: ProposalBatch(
+        ctx.L.new_zeros(0, ctx.batch_size), 1, exhausted=True
+    )
+    assert not auto.propose(context(problem), 100).exhausted

@@ -684,7 +684,7 @@ def finish(
     """The :class:`Reconstruction` of the best selection (or of what was certified so far)."""
     b, opts = setup.b, setup.options
     rows = setup.problem.sparse_factor.shape[0]
-    certified_inputs, certified_labels = _certified_samples(setup, peeled, verdict)
+    certified_inputs, certified_labels = _certified_samples(setup, peeled, verdict, selection)
     stats = AttackStats(
         proposals=0 if attack is None else attack.drawn,
         candidates=1 if attack is None else len(attack.pool),
@@ -783,7 +783,7 @@ def finish(
 
 
 def _certified_samples(
-    setup: AttackSetup, peeled: PeeledSamples, verdict: Verdict | None
+    setup: AttackSetup, peeled: PeeledSamples, verdict: Verdict | None, selection: Selection | None
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """The samples certified one by one: those peeled, and, in a consistent batch the model does
     not verify as a whole, its columns the model certifies on their own
@@ -791,10 +791,16 @@ def _certified_samples(
     or None when no label is known."""
     inputs, labels = setup.expand_inputs(peeled.inputs), peeled.labels
     extra = None if verdict is None or verdict.verified else verdict.individual
+    if extra is not None and selection is not None and len(peeled):
+        # a peeled sample whose assembled column lost its certificate must not come twice
+        q = selection.Qbar.T / selection.Qbar.T.norm(dim=1, keepdim=True)
+        same = (q @ peeled.directions.T.to(q)).abs().amax(dim=1) > 1.0 - 1e-9
+        extra = extra & ~same.to(extra.device)
     if extra is not None and bool(extra.any()):
         assert verdict is not None and verdict.certificates is not None
+        extra = extra.to(verdict.inputs.device)
         inputs = torch.cat([inputs, verdict.inputs[extra].to(inputs)])
-        labels = torch.cat([labels, verdict.certificates.labels[extra].to(labels)])
+        labels = torch.cat([labels, verdict.certificates.labels.to(extra.device)[extra].to(labels)])
     if inputs.shape[0] == 0:
         return None, None
     return inputs, labels if bool((labels >= 0).any()) else None

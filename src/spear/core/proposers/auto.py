@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from spear import theory
 from spear.core.proposers.base import DirectionProposer, ProposalBatch, ProposalContext
 from spear.core.proposers.guided import GuidedSampler
@@ -108,4 +110,6 @@ class AutoProposer(DirectionProposer):
             self._stalled_work = 0.0
         index = self._current % len(rotation)
         self._last_cost = costs[index]  # the estimate for this call, before it moves any cursor
-        return rotation[index].propose(ctx, max_proposals)
+        batch = rotation[index].propose(ctx, max_proposals)
+        # one proposer running dry is not the end of the schedule: the rotation moves on
+        return replace(batch, exhausted=False)

@@ -11,11 +11,12 @@ of ``range(L)``, when
 
     ratio(D) = min over delta of ||P D W'^T delta||^2 / ||D W'^T delta||^2 = 0,
 
-which for m - b > k holds for no other pattern (generically: k unknowns against m - b
-equations). ``ratio`` is small for patterns *near* a sample's (a wrong row i adds about
-``(W'^T delta)_i^2``), so a local search over patterns finds the exact one from a guess with a
-quarter of its rows wrong: best-improving single flips at fixed ``delta`` (each flip's change is
-closed-form in ``P``'s diagonal and the running residual), then ``delta`` re-fitted by a k x k
+which generically holds for no other pattern once m - b > k (k unknowns against m - b
+equations; the proposer asks for m - b >= 2k + 8). ``ratio`` is small for patterns *near* a
+sample's (a wrong row i adds about ``(W'^T delta)_i^2``), so a local search over patterns finds
+the exact one from a guess with a sixth to a fifth of its rows wrong: blocks of the best
+improving flips at fixed ``delta`` (each flip's change is closed-form in the projectors'
+diagonals and the running residuals), then ``delta`` re-fitted by a k x k
 generalized eigenproblem, until the pattern is a fixed point. This needs no sparsity beyond the
 ReLU's, so it works where ~50% zeros are far too few for Lemma 5.2's sampling (b in the
 hundreds).
@@ -62,8 +63,10 @@ TYPICAL_SWEEPS = 8
 REMAINDER_MAX = 32
 #: a found direction counts as part of a feature column when its ratio repeats this often
 MIN_RUN = 8
-#: two ratios are the same value within this (relative; float64 rounding is ~1e-15)
+#: two ratios are the same value within this (relative; float64 rounding is ~1e-15), or within
+#: ``RATIO_ZERO_SHARE`` times the zero tolerance when that is larger (float32 gradients: 1e-6)
 RATIO_RTOL = 1e-9
+RATIO_ZERO_SHARE = 1e-2
 #: a pattern is converged at a ratio below this times the squared zero tolerance (float32
 #: gradients: 1e-6) ...
 CONVERGED = 100.0
@@ -96,8 +99,9 @@ class PatternSearch:
     pattern still scores about eta (its column has a part outside the found ones, being
     independent of them), while a found pattern's column lies in their span: its score is
     unbounded, and patterns near it score like random ones. So guesses that converged to found
-    samples can be searched again and reach others. Convergence is judged on the plain ratio
-    ``||P y||^2 / ||y||^2``.
+    samples can be searched again and reach others (unfound patterns score about eta, not 0,
+    which is why convergence is judged on the plain ratio
+    ``||P y||^2 / ||y||^2``).
 
     Attributes:
         U: orthonormal basis of range(L) (m x b).
@@ -233,7 +237,9 @@ def row_guesses(ctx: ProposalContext) -> torch.Tensor:
     return z > 0
 
 
-def explain_away(columns: torch.Tensor, known: torch.Tensor, chunk: int = 8) -> torch.Tensor:
+def explain_away(
+    columns: torch.Tensor, known: torch.Tensor, chunk: int = 8, rtol: float = RATIO_RTOL
+) -> torch.Tensor:
     """Feature columns (n, m) minus the found columns of dL/dZ (f, m) each one contains,
     detected by a run of ``MIN_RUN`` equal ratios (module doc). Each component is read off the
     rows where its sample alone is active, which the others leave untouched, so they can be
@@ -249,18 +255,18 @@ def explain_away(columns: torch.Tensor, known: torch.Tensor, chunk: int = 8) -> 
         c = v.shape[0]
         ratio = torch.where(v.abs()[:, None, :] > tiny, v[:, None, :] / denominators, nan)
         values = ratio.reshape(c * f, m).sort(dim=1).values  # NaNs last
-        weight = _most_repeated(values).reshape(c, f)
+        weight = _most_repeated(values, rtol).reshape(c, f)
         parts.append(v - weight @ known)
     return torch.cat(parts)
 
 
-def _most_repeated(values: torch.Tensor) -> torch.Tensor:
-    """For each sorted row (NaNs last), the value repeated (within ``RATIO_RTOL``) most often,
+def _most_repeated(values: torch.Tensor, rtol: float = RATIO_RTOL) -> torch.Tensor:
+    """For each sorted row (NaNs last), the value repeated (within ``rtol``) most often,
     if at least ``MIN_RUN`` times, else 0."""
     rows, n = values.shape
     valid = ~torch.isnan(values)
     same = valid[:, 1:] & valid[:, :-1]
-    same &= (values[:, 1:] - values[:, :-1]).abs() <= RATIO_RTOL * values[:, 1:].abs()
+    same &= (values[:, 1:] - values[:, :-1]).abs() <= rtol * values[:, 1:].abs()
     group = torch.cat([torch.zeros(rows, 1, dtype=torch.long, device=values.device), (~same).cumsum(1)], 1)
     flat = (group + n * torch.arange(rows, device=values.device)[:, None])[valid]
     counts = torch.bincount(flat, minlength=rows * n).reshape(rows, n)
@@ -278,7 +284,8 @@ def remainder_patterns(ctx: ProposalContext, count: int) -> torch.Tensor:
     ``q``, so their inputs ``x = R^T p`` span ``R^T`` of the found directions' complement, an
     r-dimensional subspace. Each candidate vanishes on r - 1 random live features of it: one
     sample's input when those features are zero for that sample (sparse inputs: pixels, ReLU
-    features). Its pattern ``W x + bias > 0`` is then exact; otherwise it is a guess.
+    features); ``r . L^+ dL/db = 1`` gives its scale. Its pattern ``W x + bias > 0`` is then
+    exact; otherwise it is a guess.
     """
     p = ctx.problem
     assert p is not None
@@ -296,9 +303,12 @@ def remainder_patterns(ctx: ProposalContext, count: int) -> torch.Tensor:
         noise = torch.rand(count, live.numel(), generator=ctx.generator).to(live.device)
         picks = live[noise.argsort(dim=1)[:, : r - 1]]
         coefficients = torch.linalg.svd(inputs[picks], full_matrices=True).Vh[:, -1, :]
-    x = coefficients @ inputs.T  # (k, n)
-    x = x * torch.where(x.sum(dim=1, keepdim=True) < 0, -1.0, 1.0).to(x.dtype)
-    z = x @ p.weight.T + p.bias
+    # each sample's r satisfies r . (L^+ dL/db) = 1 (Theorem 3.6, peeling step 2): its scale
+    r = coefficients @ basis.T  # (k, b)
+    dot = r @ p.pinv_grad_bias
+    scaled = dot.abs() > ctx.zero_rtol * r.norm(dim=1) * p.pinv_grad_bias.norm()
+    r = r[scaled] / dot[scaled, None]
+    z = (r @ p.R) @ p.weight.T + p.bias
     return torch.unique(z > 0, dim=0)
 
 
@@ -357,6 +367,12 @@ class MaskedSubspaceProposer(DirectionProposer):
     def _prepare(self, ctx: ProposalContext) -> None:
         if self._key == ctx.key:
             return
+        if not applicable(ctx):
+            raise InputError(
+                "the subspace proposer needs the known next linear layer (attack_layer supplies it, "
+                "or reconstruct(..., next_weight=, next_grad_weight=)), output sparsity, an exact "
+                "gradient, and m - b >= 2k + 8 for its k outputs; use proposer='auto'"
+            )
         p = ctx.problem
         assert p is not None and p.next_weight is not None
         self._key = ctx.key
@@ -392,7 +408,10 @@ class MaskedSubspaceProposer(DirectionProposer):
         if found.shape[0] > self.explained:
             known = found[self.explained :] @ ctx.L.T
             self.explained = found.shape[0]
-            self.columns = explain_away(self.columns, known / known.abs().amax(dim=1, keepdim=True))
+            rtol = max(RATIO_RTOL, RATIO_ZERO_SHARE * ctx.zero_rtol)
+            self.columns = explain_away(
+                self.columns, known / known.abs().amax(dim=1, keepdim=True), rtol=rtol
+            )
             hints, column = column_guesses(self.columns, ctx.zero_rtol, ctx.threshold_count)
             self.hints = torch.cat([self.hints, hints])
             self.guesses = torch.cat([self.guesses, column])
@@ -420,6 +439,8 @@ class MaskedSubspaceProposer(DirectionProposer):
             self._refill(ctx)
         hints, self.hints = self.hints, self.hints[:0]
         count = min(self.guesses_per_call, self.queue.shape[0], max(1, max_proposals))
+        if ctx.deadline.passed():
+            count = 0
         guesses, self.queue = self.queue[:count], self.queue[count:]
         if count:
             done = max(CONVERGED * ctx.zero_rtol**2, RATIO_FLOOR)
@@ -431,7 +452,8 @@ class MaskedSubspaceProposer(DirectionProposer):
             hints = torch.cat([hints, (~masks & firm)[ratio < done]])
         hints = hints[hints.sum(dim=1) >= b - 1]
         directions = torch.zeros(hints.shape[0], b, dtype=ctx.L.dtype, device=ctx.L.device)
-        spent = not count and not self.has_work(ctx)
+        # a call that had nothing to search or emit: nothing is left (auto moves on instead)
+        spent = not count and hints.shape[0] == 0
         return ProposalBatch(directions, n_drawn=max(1, count), zero_hint=hints, exhausted=spent)
 
 

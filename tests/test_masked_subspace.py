@@ -90,7 +90,7 @@ def test_pattern_search_finds_exact_patterns_from_a_sixth_of_their_rows_wrong(ca
     search = PatternSearch(U, view.model[2].weight.detach().T.double(), columns[:, :0])
     start = flipped(patterns, 1 / 6, seed=0)
     assert int((start != patterns).sum(1).min()) > 40  # a sixth of 400 rows, per sample
-    masks, ratio = search.descend(start, sweeps=30, flips=400, done=DONE)
+    masks, ratio, _ = search.descend(start, sweeps=30, flips=400, done=DONE)
     exact = (masks == patterns).all(dim=1)
     assert int(exact.sum()) >= 60 and bool((ratio[exact] < DONE).all())
     # a pattern that is no sample's is never converged: wrong rows cost their values squared
@@ -103,7 +103,7 @@ def test_deflation_makes_found_patterns_repel_and_keeps_the_others(case):
     U = torch.linalg.qr(problem.L)[0]
     half = columns.shape[1] // 2
     search = PatternSearch(U, view.model[2].weight.detach().T.double(), columns[:, :half])
-    masks, ratio = search.descend(flipped(patterns, 0.1, seed=2), sweeps=30, flips=400, done=DONE)
+    masks, ratio, _ = search.descend(flipped(patterns, 0.1, seed=2), sweeps=30, flips=400, done=DONE)
     converged = ratio < DONE
     back_to_found = (masks[:half] == patterns[:half]).all(dim=1) & converged[:half]
     assert int(back_to_found.sum()) == 0

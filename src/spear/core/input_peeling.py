@@ -102,9 +102,7 @@ class InputSidePeeler:
         problem, L = self.problem, self.problem.L
         b = L.shape[1]
         tiny = torch.finfo(L.dtype).tiny
-        dot = p @ problem.pinv_grad_bias
-        r = p / torch.where(dot.abs() > tiny, dot, torch.ones_like(dot)).unsqueeze(-1)
-        scaled = dot.abs() > self.rtol * p.norm(dim=1) * problem.pinv_grad_bias.norm()
+        r, scaled = problem.input_coefficients(p, self.rtol)
         x = r @ problem.R
         # the inputs come out of a ReLU (or are otherwise nonnegative): negative only by rounding
         nonnegative = x.amin(dim=1) >= -self.rtol * x.abs().amax(dim=1)

@@ -56,6 +56,16 @@ class LayerProblem:
         object.__setattr__(self, "pinv_grad_bias", pinv_db)
         object.__setattr__(self, "R_Wt", self.R @ self.weight.T)
 
+    def input_coefficients(self, p: torch.Tensor, rtol: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """Directions p (k, b) of samples' inputs ``x = R^T p`` scaled to the true inputs' ``r``:
+        every sample has ``r . L^+ dL/db = 1`` (Theorem 3.6 with ``u_j . r_k = delta_jk``,
+        :mod:`spear.core.peeling` step 2). Returns r (k, b) and which scales are determined
+        (``|p . L^+ dL/db|`` above ``rtol`` of the norms; r is p itself where not)."""
+        dot = p @ self.pinv_grad_bias
+        tiny = torch.finfo(p.dtype).tiny
+        r = p / torch.where(dot.abs() > tiny, dot, torch.ones_like(dot)).unsqueeze(-1)
+        return r, dot.abs() > rtol * p.norm(dim=1) * self.pinv_grad_bias.norm()
+
     @property
     def batch_size(self) -> int:
         return int(self.L.shape[1])

@@ -148,14 +148,16 @@ class PatternSearch:
 
     def descend(
         self, masks: torch.Tensor, sweeps: int, flips: int, done: float
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Improving flips at fixed delta, then delta re-fitted, ``sweeps`` times at most or until
-        every plain ratio is below ``done``; returns the patterns (S, m) and ratios (S,)."""
+        every plain ratio is below ``done``; returns the patterns (S, m), their plain ratios (S,)
+        and the deltas (S, k) that attain them (every pattern's last fit is of its final state)."""
         masks = masks.clone()
         ratio = torch.full((masks.shape[0],), float("inf"), dtype=self.U.dtype, device=masks.device)
+        plain = torch.zeros(masks.shape[0], self.B.shape[1], dtype=self.U.dtype, device=masks.device)
         live = torch.arange(masks.shape[0], device=masks.device)
         for _ in range(sweeps):
-            delta, _, ratio[live] = self.fit(masks[live])
+            delta, plain[live], ratio[live] = self.fit(masks[live])
             open_ = ratio[live] >= done
             live, delta = live[open_], delta[open_]
             if live.numel() == 0:
@@ -167,8 +169,8 @@ class PatternSearch:
             if live.numel() == 0:
                 break
         if live.numel():
-            _, _, ratio[live] = self.fit(masks[live])
-        return masks, ratio
+            _, plain[live], ratio[live] = self.fit(masks[live])
+        return masks, ratio, plain
 
     def _flip(self, masks: torch.Tensor, h: torch.Tensor, flips: int) -> torch.Tensor:
         """Up to ``flips`` improving flips per pattern at fixed values ``h`` (S, m), in place;
@@ -303,12 +305,8 @@ def remainder_patterns(ctx: ProposalContext, count: int) -> torch.Tensor:
         noise = torch.rand(count, live.numel(), generator=ctx.generator).to(live.device)
         picks = live[noise.argsort(dim=1)[:, : r - 1]]
         coefficients = torch.linalg.svd(inputs[picks], full_matrices=True).Vh[:, -1, :]
-    # each sample's r satisfies r . (L^+ dL/db) = 1 (Theorem 3.6, peeling step 2): its scale
-    r = coefficients @ basis.T  # (k, b)
-    dot = r @ p.pinv_grad_bias
-    scaled = dot.abs() > ctx.zero_rtol * r.norm(dim=1) * p.pinv_grad_bias.norm()
-    r = r[scaled] / dot[scaled, None]
-    z = (r @ p.R) @ p.weight.T + p.bias
+    r, scaled = p.input_coefficients(coefficients @ basis.T, ctx.zero_rtol)
+    z = r[scaled] @ p.R_Wt + p.bias
     return torch.unique(z > 0, dim=0)
 
 
@@ -444,8 +442,7 @@ class MaskedSubspaceProposer(DirectionProposer):
         guesses, self.queue = self.queue[:count], self.queue[count:]
         if count:
             done = max(CONVERGED * ctx.zero_rtol**2, RATIO_FLOOR)
-            masks, ratio = self.search.descend(guesses, self.sweeps, self.flips, done)
-            _, delta, _ = self.search.fit(masks)
+            masks, ratio, delta = self.search.descend(guesses, self.sweeps, self.flips, done)
             h = delta @ self.B.T
             y2 = ((masks * h) ** 2).sum(dim=1, keepdim=True)
             firm = h**2 * self.search.P_diag > FIRM * done * y2

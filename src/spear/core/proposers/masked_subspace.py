@@ -118,13 +118,18 @@ class PatternSearch:
         eye = torch.eye(m, dtype=self.U.dtype, device=self.U.device)
         self.P = eye - self.U @ self.U.T
         self.P_diag = self.P.diagonal().clone()
-        V = torch.linalg.qr(self.found)[0] if self.found.shape[1] else self.found
-        self.Pi = eye - V @ V.T
-        self.Pi_diag = self.Pi.diagonal().clone()
         # per-row outer products, so masked Gram matrices are one matmul each
         self.BB = (self.B[:, :, None] * self.B[:, None, :]).reshape(m, k * k)
         self.UB = (self.U[:, :, None] * self.B[:, None, :]).reshape(m, -1)
-        self.VB = (V[:, :, None] * self.B[:, None, :]).reshape(m, -1)
+        self.deflate(self.found)
+
+    def deflate(self, found: torch.Tensor) -> None:
+        """Deflate the found columns (m x f) from now on (``P`` does not change, only ``Pi``)."""
+        self.found = found
+        V = torch.linalg.qr(found)[0] if found.shape[1] else found
+        self.Pi = torch.eye(found.shape[0], dtype=self.U.dtype, device=self.U.device) - V @ V.T
+        self.Pi_diag = self.Pi.diagonal().clone()
+        self.VB = (V[:, :, None] * self.B[:, None, :]).reshape(found.shape[0], -1)
 
     def fit(self, masks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """For patterns (S, m): the delta (S, k) the deflated objective prefers (the search's
@@ -329,11 +334,12 @@ def column_guesses(
 class MaskedSubspaceProposer(DirectionProposer):
     """Zero sets from the pattern search of the module doc, started from the server's guesses.
 
-    All guesses are searched once; whenever the found directions have grown by
-    ``requeue_growth`` (a fraction of b) since, they are searched again against the new
-    deflation (:class:`PatternSearch`), so that guesses captured by found samples before can
-    reach the others. Between passes, new directions are explained away from the feature
-    columns, whose new hints and guesses join the queue.
+    Every call deflates all directions found so far (:class:`PatternSearch`), so guesses
+    that would converge to a sample found meanwhile move on to others. All guesses are searched
+    once; whenever the found directions have grown by ``requeue_growth`` (a fraction of b)
+    since, they are searched again, so that guesses captured by found samples before can reach
+    the others. Between passes, new directions are explained away from the feature columns; the
+    columns that changed give new hints and guesses, which join the queue.
 
     Args:
         guesses_per_call: patterns searched per call.
@@ -378,7 +384,8 @@ class MaskedSubspaceProposer(DirectionProposer):
         self.B = p.next_weight.T.to(self.U.dtype)
         self.columns = (ctx.L @ p.R).T  # (n, m): dL/dW's feature columns
         self.explained = 0  # found directions explained away from the columns so far
-        self.deflated = -1  # found directions the current search deflates (-1: none built)
+        self.passed = -1  # found directions when the last pass over all guesses began (-1: none)
+        self.search = PatternSearch(self.U, self.B, self.U[:, :0])
         self.hints, column = column_guesses(self.columns, ctx.zero_rtol, ctx.threshold_count)
         self.guesses = torch.cat([row_guesses(ctx), column])
         self.queue = self.guesses[:0]
@@ -394,29 +401,29 @@ class MaskedSubspaceProposer(DirectionProposer):
 
     def _due(self, ctx: ProposalContext) -> bool:
         """Whether a new pass over all guesses is due."""
-        if self.deflated < 0:
+        if self.passed < 0:
             return True
-        grown = ctx.found.shape[0] - self.deflated
+        grown = ctx.found.shape[0] - self.passed
         return grown >= max(1.0, self.requeue_growth * ctx.batch_size)
 
     def _refill(self, ctx: ProposalContext) -> None:
-        """Explain away the directions found since the last refill (the pixel-side cascade); start
-        a new pass over all guesses when one is due."""
+        """Explain away the directions found since the last refill (the pixel-side cascade): the
+        columns that changed give new hints and guesses; start a new pass over all guesses when
+        one is due."""
         found = ctx.found.to(ctx.L.dtype)
         if found.shape[0] > self.explained:
             known = found[self.explained :] @ ctx.L.T
             self.explained = found.shape[0]
             rtol = max(RATIO_RTOL, RATIO_ZERO_SHARE * ctx.zero_rtol)
-            self.columns = explain_away(
-                self.columns, known / known.abs().amax(dim=1, keepdim=True), rtol=rtol
-            )
-            hints, column = column_guesses(self.columns, ctx.zero_rtol, ctx.threshold_count)
+            before = self.columns
+            self.columns = explain_away(before, known / known.abs().amax(dim=1, keepdim=True), rtol=rtol)
+            changed = (self.columns != before).any(dim=1)
+            hints, column = column_guesses(self.columns[changed], ctx.zero_rtol, ctx.threshold_count)
             self.hints = torch.cat([self.hints, hints])
             self.guesses = torch.cat([self.guesses, column])
             self.queue = torch.cat([self.queue, column])
         if self._due(ctx):
-            self.deflated = found.shape[0]
-            self.search = PatternSearch(self.U, self.B, (found @ ctx.L.T).T)
+            self.passed = found.shape[0]
             self.queue = self.guesses
         elif self.queue.shape[0] == 0 and 0 < ctx.batch_size - found.shape[0] <= REMAINDER_MAX:
             self.queue = remainder_patterns(ctx, self.guesses_per_call)
@@ -435,6 +442,8 @@ class MaskedSubspaceProposer(DirectionProposer):
         b = ctx.batch_size
         if self.queue.shape[0] == 0:
             self._refill(ctx)
+        if ctx.found.shape[0] != self.search.found.shape[1]:  # cheap: every call deflates all found
+            self.search.deflate((ctx.found.to(ctx.L.dtype) @ ctx.L.T).T)
         hints, self.hints = self.hints, self.hints[:0]
         count = min(self.guesses_per_call, self.queue.shape[0], max(1, max_proposals))
         if ctx.deadline.passed():

@@ -191,12 +191,18 @@ class ModelCertifier:
             return torch.zeros_like(label, dtype=torch.bool)
         return cos.amax(dim=1) <= PARALLEL_COS
 
-    def __call__(self, inputs: torch.Tensor, grad_outputs: torch.Tensor) -> SampleCertificates:
-        """Certificates of k samples (inputs (k, n), their dL/dZ columns (k, m))."""
+    def __call__(
+        self, inputs: torch.Tensor, grad_outputs: torch.Tensor, rtol: torch.Tensor | None = None
+    ) -> SampleCertificates:
+        """Certificates of k samples (inputs (k, n), their dL/dZ columns (k, m)); ``rtol`` (k,):
+        a looser misfit tolerance for the samples whose columns are known less precisely."""
         x = inputs.detach().to(self.weight)
         d = grad_outputs.detach().to(self.weight)
         k, m = d.shape
         out = SampleCertificates.none(k, device=x.device)
+        tolerance = torch.full((k,), self.rtol, dtype=torch.float64, device=x.device)
+        if rtol is not None:
+            tolerance = torch.maximum(tolerance, rtol.to(tolerance))
         chunk = max(1, CHUNK_ELEMENTS // (self.classes * m))
         for part in torch.arange(k, device=x.device).split(chunk):
             g = self.per_label_gradients(x[part] @ self.weight.T + self.bias)  # (p, C, m)
@@ -209,7 +215,7 @@ class ModelCertifier:
                 runner_up = misfit.topk(2, dim=1, largest=False).values[:, 1]
             else:
                 runner_up = torch.full_like(best, torch.inf)
-            ok = (best <= self.rtol) & (runner_up > self.rtol)
+            ok = (best <= tolerance[part]) & (runner_up > tolerance[part])
             out.ok[part] = ok
             saturated = self._sensitivity(x[part] @ self.weight.T + self.bias, label) <= self.saturation
             out.saturated[part] = ok & saturated
@@ -240,8 +246,10 @@ class WeightedCertifier:
         self.model = copy.deepcopy(model).eval()
         self.sample_weights = sample_weights
 
-    def __call__(self, inputs: torch.Tensor, grad_outputs: torch.Tensor) -> SampleCertificates:
-        cert = self.inner(inputs, grad_outputs)
+    def __call__(
+        self, inputs: torch.Tensor, grad_outputs: torch.Tensor, rtol: torch.Tensor | None = None
+    ) -> SampleCertificates:
+        cert = self.inner(inputs, grad_outputs, rtol)
         ok = cert.ok.nonzero()[:, 0]
         if ok.numel() == 0:
             return cert

@@ -71,7 +71,10 @@ class SampleCertifier(Protocol):
     """Checks recovered samples one by one.
 
     Called with the samples (k, n) of the attacked layer and their columns of dL/dZ (k, m), in
-    the layer's full output width.
+    the layer's full output width. A certifier that takes ``rtol`` (k,) is also told, per
+    sample, a misfit tolerance looser than its own where the data know a column less precisely
+    (the column of a sample whose gradient is faint, :func:`spear.core.verdict.column_precision`);
+    it keeps its own tolerance where that is larger.
     """
 
     def __call__(self, inputs: torch.Tensor, grad_outputs: torch.Tensor) -> SampleCertificates: ...
@@ -106,9 +109,10 @@ class BatchReduction:
 BATCH_SIZE_ATOL = 0.25
 
 
-def infer_reduction(weights: torch.Tensor, rtol: float = WEIGHT_RTOL) -> BatchReduction:
+def infer_reduction(weights: torch.Tensor, rtol: float | torch.Tensor = WEIGHT_RTOL) -> BatchReduction:
     """Mean or sum reduction, multiplicities and the client's batch size from the loss weights of
-    the b recovered samples (see :class:`BatchReduction`); ``rtol`` is the weights' precision.
+    the b recovered samples (see :class:`BatchReduction`); ``rtol`` is the weights' precision,
+    one for all or one per sample (b,): a faint sample's weight is known less precisely.
 
     Multiplicities are the weights' ratios to the smallest; they must be integers adding up to
     at most twice the samples (so that loose weights cannot match integers by chance)."""
@@ -116,9 +120,12 @@ def infer_reduction(weights: torch.Tensor, rtol: float = WEIGHT_RTOL) -> BatchRe
     w = weights.detach().double().cpu()
     if w.numel() == 0 or not bool(torch.isfinite(w).all()) or bool((w <= 0).any()):
         return none
-    ratio = w / w.min()
+    rtol = torch.as_tensor(rtol, dtype=torch.float64).cpu().expand_as(w)
+    smallest = int(w.argmin())
+    ratio = w / w[smallest]
     k = ratio.round()
-    if not bool(((ratio - k).abs() <= rtol * ratio).all()) or float(k.sum()) > 2 * w.numel():
+    ratio_rtol = rtol + rtol[smallest]
+    if not bool(((ratio - k).abs() <= ratio_rtol * ratio).all()) or float(k.sum()) > 2 * w.numel():
         return none
     recovered = int(k.sum())
     size = recovered / float(w.sum())  # a mean has w_j = k_j / B, so B = sum k / sum w

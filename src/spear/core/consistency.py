@@ -119,6 +119,25 @@ def resolvable(singular_values: torch.Tensor, b: int, zero_rtol: float, eps: flo
     return float(S[b - 1]) * RESOLVABLE_SLACK * zero_rtol >= noise
 
 
+def rounding_map(singular_values: torch.Tensor, b: int, eps: float) -> torch.Tensor:
+    """The rounding map of the split's factor ``L = U_b S_b^1/2`` (b x b, diagonal): for any
+    direction q, the computed ``L q`` is off by a vector of norm about ``||map q||`` (its entries
+    by about ``||map q|| / sqrt(rows)``, :func:`spear.core.filtering.rounding_floor`).
+
+    The computed factors reproduce dL/dW up to ``E``, ``||E|| ~ noise`` (the first singular
+    value beyond the batch, or ``eps s_max``), so to first order ``L`` is off by
+    ``E V S^-1/2``: a column whose direction leans on the batch's weakest singular values
+    carries errors of ``noise / sqrt(s_i)`` per unit of ``q_i``. Relative to the column, that
+    is ``noise / s_b`` for a sample whose gradient is faint (a well-classified sample: ~1e-7 at
+    ``s_b / s_1 ~ 1e-9``), far above ``zero_rtol``; such a column's true zeros then fail the
+    relative test, and the batch cannot reach sigma = 1 (Fashion-MNIST b = 256 in the LT
+    setting: 2 of 256). Where the other columns are concerned the floor lies far below
+    ``zero_rtol * max`` and changes nothing."""
+    S = singular_values.to(torch.float64)
+    noise = max(float(S[b]) if b < S.numel() else 0.0, eps * float(S[0]))
+    return torch.diag(noise / S[:b].clamp_min(torch.finfo(torch.float64).tiny).sqrt())
+
+
 def pattern_matches(
     z_t: torch.Tensor, zero: torch.Tensor, certain_zero: torch.Tensor | None, z_rtol: float
 ) -> torch.Tensor:

@@ -9,6 +9,7 @@ and are rejected. Approximate directions never reach the output.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -17,6 +18,9 @@ import torch
 DEFAULT_ZERO_RTOL = {torch.float64: 1e-9, torch.float32: 1e-4}
 #: smallest ratio s_{b-1} / s_1 of the zero rows for the kernel to count as one-dimensional
 KERNEL_GAP_RTOL = 1e-7
+#: the rounding floor of an entry of ``L q``, in root mean squares of its error vector (a margin
+#: over the typical entry, far below the worst case: the whole error in one entry)
+ROUNDING_ENTRY = 3.0
 #: a row whose leverage is within this of 1 is essential to the kernel (see kernel_of_rows)
 ESSENTIAL_ROW_TOL = 1e-6
 #: two unit directions with |cos| above this are the same direction
@@ -25,10 +29,25 @@ DUPLICATE_COS = 1.0 - 1e-9
 SNAP_CHUNK_ELEMENTS = 2**24
 
 
-def zero_mask(values: torch.Tensor, zero_rtol: float) -> torch.Tensor:
-    """Entries of each row of ``values`` (k x rows) that are zero relative to the row's max."""
+def zero_mask(values: torch.Tensor, zero_rtol: float, floor: torch.Tensor | None = None) -> torch.Tensor:
+    """Entries of each row of ``values`` (k x rows) that are zero relative to the row's max, or
+    within the row's rounding ``floor`` (k,), when given (:func:`rounding_floor`)."""
     magnitude = values.abs()
-    return magnitude <= magnitude.amax(dim=-1, keepdim=True) * zero_rtol
+    threshold = magnitude.amax(dim=-1, keepdim=True) * zero_rtol
+    if floor is not None:
+        threshold = torch.maximum(threshold, floor.reshape(-1, 1).to(threshold))
+    return magnitude <= threshold
+
+
+def rounding_floor(q: torch.Tensor, rounding: torch.Tensor | None, rows: int) -> torch.Tensor | None:
+    """For directions ``q`` (k x b) of a factor with ``rows`` rows whose rounding map is
+    ``rounding`` (B x b, :func:`spear.core.consistency.rounding_map`), the rounding floor of the
+    entries of ``L q`` (k,): ``ROUNDING_ENTRY`` times the root mean square entry of the error
+    vector. Its true zeros lie below it (measured: a faint column's zeros reach 1e-8 of its
+    maximum, where the floor is 3e-7). None without a map."""
+    if rounding is None:
+        return None
+    return ROUNDING_ENTRY * (q.to(rounding.dtype) @ rounding.T).norm(dim=1) / math.sqrt(rows)
 
 
 def canonical_sign(q: torch.Tensor) -> torch.Tensor:
@@ -162,6 +181,7 @@ def snap_and_filter(
     hint_rtol: float = 1e-3,
     known_masks: torch.Tensor | None = None,
     zero_floor: float | None = None,
+    rounding: torch.Tensor | None = None,
 ) -> SnapResult:
     """Make rough directions exact and keep those that pass the sparsity filter.
 
@@ -175,7 +195,9 @@ def snap_and_filter(
        robust when no zero row is essential (mixtures never are; see ``kernel_of_rows``).
 
     ``zero_floor`` (default ``zero_rtol``) marks the entries that are certainly zero
-    (``SnapResult.certain_zero``, see :mod:`spear.core.consistency`).
+    (``SnapResult.certain_zero``, see :mod:`spear.core.consistency`). ``rounding``: the factor's
+    rounding map; entries within a direction's rounding floor count as zero too (the columns of
+    samples whose gradient is faint, :func:`rounding_floor`).
     """
     b = L.shape[1]
     empty = SnapResult(
@@ -191,7 +213,10 @@ def snap_and_filter(
     if zero_hint is None:
         q = directions.to(L.dtype)
         q = q / q.norm(dim=1, keepdim=True).clamp_min(torch.finfo(L.dtype).tiny)
-        exact = zero_mask(q @ L.T, zero_rtol).sum(dim=1) >= threshold_count
+        exact = (
+            zero_mask(q @ L.T, zero_rtol, rounding_floor(q, rounding, L.shape[0])).sum(dim=1)
+            >= threshold_count
+        )
         rows = zero_mask(q[~exact] @ L.T, hint_rtol)
         rows = rows[rows.sum(dim=1) >= b - 1]
         q = q[exact]  # already exact (e.g. solved in a subspace): no kernel step needed
@@ -202,7 +227,7 @@ def snap_and_filter(
         q = torch.cat([q, _first_kernel(L, rows, chunk)])
     if q.shape[0] == 0:
         return empty
-    rows = zero_mask(q @ L.T, zero_rtol)
+    rows = zero_mask(q @ L.T, zero_rtol, rounding_floor(q, rounding, L.shape[0]))
     keep = torch.isfinite(q).all(dim=1) & (rows.sum(dim=1) >= threshold_count)
     q, rows = q[keep], rows[keep]
     # one exact re-solve per distinct zero set, none for directions already known
@@ -213,7 +238,7 @@ def snap_and_filter(
     # exact re-solve on the full zero set, with the one-dimensional-kernel check
     q, one_dim, robust = kernel_of_rows(L, rows)
     values = q @ L.T
-    rows = zero_mask(values, zero_rtol)
+    rows = zero_mask(values, zero_rtol, rounding_floor(q, rounding, L.shape[0]))
     keep = one_dim & (rows.sum(dim=1) >= threshold_count)
     q, rows, robust, values = q[keep], rows[keep], robust[keep], values[keep]
     if q.shape[0] == 0:

@@ -19,7 +19,7 @@ import torch
 
 from spear import theory
 from spear.core.certificate import SampleCertificates, SampleCertifier
-from spear.core.consistency import Tolerances, noisy_tolerances, resolvable
+from spear.core.consistency import Tolerances, noisy_tolerances, resolvable, rounding_map
 from spear.core.deadline import Deadline
 from spear.core.diagnosis import (
     DIAGNOSABLE_RATIO,
@@ -29,7 +29,7 @@ from spear.core.diagnosis import (
     no_sparsity_message,
     probe_sparse_directions,
 )
-from spear.core.filtering import CandidatePool, SnapResult, zero_mask
+from spear.core.filtering import CandidatePool, SnapResult, rounding_floor, zero_mask
 from spear.core.greedy import Selection, greedy_filter, score
 from spear.core.input_peeling import InputSidePeeler
 from spear.core.lowrank import LowRankSplit, low_rank_split
@@ -46,7 +46,15 @@ from spear.core.result import AttackOptions, AttackStats, ProgressEvent, Reconst
 from spear.core.scale import LayerProblem
 from spear.core.search import ResidualSearch, lift
 from spear.core.singletons import as_input_problem, as_output_samples, singleton_candidates
-from spear.core.verdict import WEIGHT_PRECISION, ModelGate, Verdict, judge, verdict_message
+from spear.core.verdict import (
+    PRECISION_SLACK,
+    WEIGHT_PRECISION,
+    ModelGate,
+    Verdict,
+    column_precision,
+    judge,
+    verdict_message,
+)
 from spear.core.verify import verify
 from spear.errors import InputError, NoSparsityError, RankError
 
@@ -189,6 +197,22 @@ class AttackSetup:
         return resolvable(self.split.singular_values, self.b, self.tol.zero_rtol, eps)
 
     @property
+    def rounding(self) -> torch.Tensor | None:
+        """The factor's rounding map (:func:`~spear.core.consistency.rounding_map`); None for a
+        noisy gradient, whose zero band is widened to the noise instead."""
+        if self.split.noisy:
+            return None
+        eps = torch.finfo(self.source_dtype).eps
+        factor = self.problem.sparse_factor
+        return rounding_map(self.split.singular_values, self.b, eps).to(factor)
+
+    def sample_rtol(self, directions: torch.Tensor) -> torch.Tensor:
+        """(k,) the misfit tolerance of the samples of these directions (k x b): the verification
+        tolerance, or their columns' precision where that is coarser (:func:`column_precision`)."""
+        precision = column_precision(directions, self.problem.sparse_factor, self.rounding)
+        return torch.clamp_min(PRECISION_SLACK * precision, self.tol.verify_rtol)
+
+    @property
     def elapsed(self) -> float:
         return time.perf_counter() - self.start
 
@@ -327,6 +351,7 @@ class _Attack:
             zero_rtol=setup.tol.zero_rtol,
             deadline=setup.deadline,
             noisy=setup.split.noisy,
+            rounding=setup.rounding,
         )
         self.search = ResidualSearch(root)
         self.search.follows_peeling = self.peeler is not None
@@ -407,7 +432,9 @@ class _Attack:
         values = q @ self.setup.problem.sparse_factor.T
         tol = self.setup.tol
         snapped.directions[rows] = q
-        snapped.zero_masks[rows] = zero_mask(values, tol.zero_rtol)
+        snapped.zero_masks[rows] = zero_mask(
+            values, tol.zero_rtol, rounding_floor(q, self.setup.rounding, values.shape[1])
+        )
         snapped.zero_counts[rows] = snapped.zero_masks[rows].sum(dim=1).to(snapped.zero_counts.dtype)
         if snapped.certain_zero is not None:
             snapped.certain_zero[rows] = zero_mask(values, tol.zero_floor)
@@ -416,11 +443,12 @@ class _Attack:
         """Which peeled samples count, given which the layers certify (``layer_ok``); fills in
         the model certificate's labels, weights and strength where a model is known."""
         grads = self.setup.expand(self.setup.problem.L @ samples.duals.T).T
-        cert = self.gate.check(self.setup.expand_inputs(samples.inputs), grads, layer_ok)
+        rtol = self.setup.sample_rtol(samples.duals)
+        cert = self.gate.check(self.setup.expand_inputs(samples.inputs), grads, layer_ok, rtol)
         if cert is None:
             return layer_ok
         ok = cert.ok.to(layer_ok.device)
-        single = self._single(cert.weights.to(samples.weights), ok)
+        single = self._single(cert.weights.to(samples.weights), ok, rtol.to(samples.weights))
         samples.strong = ok & cert.strong.to(ok.device) & single
         # labels only from a discriminative fit (a sign-only one assumes the loss)
         samples.labels = torch.where(samples.strong, cert.labels.to(ok.device), -1)
@@ -451,7 +479,9 @@ class _Attack:
             if not len(samples):
                 return
             values = (s.problem.L @ samples.directions.T).T
-            masks = zero_mask(values, s.tol.zero_rtol)
+            masks = zero_mask(
+                values, s.tol.zero_rtol, rounding_floor(samples.directions, s.rounding, values.shape[1])
+            )
             certain = zero_mask(values, s.tol.zero_floor)
             flags = torch.ones(len(samples), dtype=torch.bool, device=masks.device)
             self.pool.add(SnapResult(samples.directions, masks, masks.sum(dim=1), flags, flags, certain))
@@ -460,18 +490,20 @@ class _Attack:
             if len(self.pool) >= s.b:
                 self._select()
 
-    def _single(self, weights: torch.Tensor, ok: torch.Tensor) -> torch.Tensor:
-        """Which loss weights are one sample's: equal (within the weights' precision) to the
-        median of those seen so far, which at least ``WEIGHT_QUORUM`` samples share. A column
-        standing for several samples has a multiple of it (duplicates) or, merged from samples
-        the layer cannot separate, another value altogether."""
+    def _single(self, weights: torch.Tensor, ok: torch.Tensor, sample_rtol: torch.Tensor) -> torch.Tensor:
+        """Which loss weights are one sample's: equal (within each weight's precision, from the
+        samples' misfit tolerances ``sample_rtol``) to the median of those seen so far, which at
+        least ``WEIGHT_QUORUM`` samples share. A column standing for several samples has a
+        multiple of it (duplicates) or, merged from samples the layer cannot separate, another
+        value altogether."""
         self.weights_seen += weights[ok].tolist()
         if not self.weights_seen:
             return torch.zeros_like(ok)
         reference = statistics.median(self.weights_seen)
         rtol = WEIGHT_PRECISION * self.setup.tol.verify_rtol
         agree = sum(abs(w / reference - 1.0) <= rtol for w in self.weights_seen)
-        return ((weights / reference - 1.0).abs() <= rtol) & (agree >= WEIGHT_QUORUM)
+        own = torch.clamp_min(WEIGHT_PRECISION * sample_rtol, rtol)
+        return ((weights / reference - 1.0).abs() <= own) & (agree >= WEIGHT_QUORUM)
 
     def _select(self) -> None:
         """Greedy selection (Algorithm 3); a perfect one is judged, and columns the model shows
@@ -512,7 +544,10 @@ class _Attack:
         known = self._peeled_certificates(selection.Qbar.shape[1], certified, index)
         tol, gate, ok = self.setup.tol, self.gate, self.resolvable
         clients = self.setup.options.clients
-        return judge(selection, factor, certified, assembled, check, tol, gate, ok, known, robust, clients)
+        rounding = self.setup.rounding
+        return judge(
+            selection, factor, certified, assembled, check, tol, gate, ok, known, robust, clients, rounding
+        )
 
     def _certified_as_assembled(
         self, selection: Selection, certified: torch.Tensor, inputs: torch.Tensor

@@ -89,6 +89,7 @@ class ResidualSearch:
             tol.zero_rtol,
             known_masks=known,
             zero_floor=tol.zero_floor,
+            rounding=self.ctx.rounding,
         )
         if self.basis is None:
             return snapped
@@ -114,6 +115,7 @@ class ResidualSearch:
             tol.zero_rtol,
             known_masks=known,
             zero_floor=tol.zero_floor,
+            rounding=self.root.rounding,
         )
         # a zero set that a peeled sample shares has a larger kernel in the whole layer: only
         # the residual problem (which excludes the peeled, certified samples) pins that
@@ -150,6 +152,7 @@ class ResidualSearch:
                 zero_rtol=self.root.zero_rtol,
                 deadline=self.root.deadline,
                 noisy=self.root.noisy,
+                rounding=None if self.root.rounding is None else self.root.rounding @ self.basis,
             )
             self._peeled_at_move = len(peeled)
         elif self.basis is not None and changed:

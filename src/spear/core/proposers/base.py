@@ -42,6 +42,9 @@ class ProposalContext:
         noisy: the gradient carries noise (its rank exceeds the batch,
             :attr:`spear.core.lowrank.LowRankSplit.noisy`): exact zeros are blurred to
             ``zero_rtol``, and proposers that need exact kernels give way to the noise-robust one.
+        rounding: the rounding map of ``L`` (:func:`spear.core.consistency.rounding_map`, in
+            this context's coordinates), or None: entries of ``L q`` within ``||rounding q||``
+            count as zero (the columns of faint samples).
     """
 
     L: torch.Tensor
@@ -56,6 +59,7 @@ class ProposalContext:
     zero_rtol: float = 1e-9
     deadline: Deadline = NEVER
     noisy: bool = False
+    rounding: torch.Tensor | None = None
 
     @property
     def rows(self) -> int:

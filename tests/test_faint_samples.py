@@ -1,0 +1,104 @@
+"""Samples whose gradient is faint (a well-classified sample: loss ~1e-8) are known only to
+their own precision, about ``noise / s_b`` of their column (``spear.core.consistency.
+rounding_map``): their true zeros then sit far above ``zero_rtol``, and their loss weights and
+misfits far above the verification tolerance. Each column is judged at its own precision."""
+
+import pytest
+import torch
+
+import spear
+import spear.core.reconstruct as reconstruct_module
+from spear.core.certificate import infer_reduction
+from spear.core.consistency import rounding_map
+from spear.core.filtering import rounding_floor, zero_mask
+from spear.data import load_dataset
+from spear.fl import shallow_mlp
+from spear.fl.client import fedsgd_gradients
+from spear.metrics import match_samples
+
+B, FAINT = 32, 2
+
+
+@pytest.fixture(scope="module")
+def faint_client():
+    """The LT setting (raw Fashion-MNIST, F -> 1000 -> 10) with the two best-classified of 5,000
+    samples in a batch of 32 (their losses ~3e-8; the others' median is ~10)."""
+    dataset = load_dataset("fashion-mnist")
+    model = shallow_mlp(dataset.features, 1000, seed=0)
+    n = 5000
+    inputs = dataset.images[:n].reshape(n, -1).double()
+    labels = dataset.labels[:n]
+    with torch.no_grad():
+        loss = torch.nn.functional.cross_entropy(model(inputs), labels, reduction="none")
+    order = loss.argsort()
+    others = order[FAINT:][torch.randperm(n - FAINT, generator=torch.Generator().manual_seed(0))[: B - FAINT]]
+    pick = torch.cat([order[:FAINT], others])
+    assert float(loss[order[FAINT - 1]]) < 1e-6
+    x, y = inputs[pick], labels[pick]
+    return model, x, y, fedsgd_gradients(model, x, y)
+
+
+def true_columns(model, x, y) -> torch.Tensor:
+    """Evaluation side: the batch's dL/dZ (b x m) of the first layer."""
+    z = model[0](x).detach().requires_grad_(True)
+    (grad,) = torch.autograd.grad(torch.nn.functional.cross_entropy(model[2](torch.relu(z)), y), z)
+    return grad
+
+
+def test_a_faint_column_keeps_its_zeros_within_its_rounding_floor(faint_client):
+    model, x, y, grads = faint_client
+    g = grads["0.weight"].double()
+    U, S, _ = torch.linalg.svd(g, full_matrices=False)
+    L = U[:, :B] * S[:B].sqrt()
+    truth = true_columns(model, x, y)
+    q = torch.linalg.lstsq(L, truth.T).solution.T  # each true column's direction
+    values = q @ L.T
+    zeros = truth == 0
+    relative = zero_mask(values, 1e-9)
+    floor = rounding_floor(q, rounding_map(S, B, torch.finfo(torch.float64).eps), L.shape[0])
+    with_floor = zero_mask(values, 1e-9, floor)
+    # the faint columns' true zeros fail the relative test ...
+    assert not bool((relative[:FAINT] == zeros[:FAINT]).all())
+    # ... and pass with the floor, which takes no nonzero entry of any column
+    assert torch.equal(with_floor, zeros)
+    # the other columns' floors lie far below the relative threshold
+    assert float((floor[FAINT:] / values[FAINT:].abs().amax(dim=1)).max()) < 1e-10
+
+
+def test_faint_samples_keep_the_batch_consistent_and_the_rest_certified(faint_client, monkeypatch):
+    model, x, y, grads = faint_client
+    rec = spear.attack_layer(model, "0", grads, seed=0, max_proposals=200_000)
+    assert rec.consistent and rec.sigma == 1.0
+    est, ref = match_samples(rec.inputs, x)
+    assert float((rec.inputs[est] - x[ref]).abs().max()) < 1e-6
+    # two samples of the batch are confirmed by a sign only, so the batch is not verified; the
+    # others are certified on their own, the faint ones included, each at its own precision
+    assert not rec.verified and rec.stats.certified == B - 2
+    est, ref = match_samples(rec.certified_inputs, x)
+    error = (rec.certified_inputs[est] - x[ref]).abs().amax(dim=1)
+    faint = ref < FAINT
+    assert int(faint.sum()) == FAINT
+    assert float(error[faint].max()) < 1e-6 and float(error[~faint].max()) < 1e-12
+    assert torch.equal(rec.certified_labels[est], y[ref])
+    assert any("faint" in note for note in rec.notes)
+    # judged at the relative tolerance alone, the faint columns break consistency
+    monkeypatch.setattr(reconstruct_module.AttackSetup, "rounding", property(lambda self: None))
+    before = spear.attack_layer(model, "0", grads, seed=0, max_proposals=200_000)
+    assert not before.consistent and before.stats.certified < B - FAINT
+
+
+def test_loss_weights_are_read_at_each_samples_precision():
+    B_ = 50
+    weights = torch.full((5,), 1.0 / B_, dtype=torch.float64)
+    weights[0] *= 1 + 3e-6  # a faint sample's weight, known to ~1e-5
+    assert infer_reduction(weights, 1e-7).reduction is None
+    precise = torch.full((5,), 1e-7, dtype=torch.float64)
+    assert infer_reduction(weights, precise).reduction is None
+    loose = precise.clone()
+    loose[0] = 1e-5
+    fit = infer_reduction(weights, loose)
+    assert fit.reduction == "mean" and fit.batch_size == B_
+    assert fit.multiplicities.tolist() == [1] * 5
+    # a looser tolerance on one sample does not let a double weight pass as a single one
+    weights[1] *= 2
+    assert infer_reduction(weights, loose).multiplicities.tolist() == [1, 2, 1, 1, 1]

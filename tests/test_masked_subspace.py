@@ -2,6 +2,8 @@
 is a ReLU-masked vector of range(W'^T), which pins a sample's pattern where ~50% zeros are far
 too few for Lemma 5.2's sampling."""
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -17,7 +19,7 @@ from spear.core.proposers.masked_subspace import (
 from spear.core.scale import LayerProblem
 from spear.data import load_dataset
 from spear.errors import InputError
-from spear.fl import shallow_mlp, simulate_fedsgd
+from spear.fl import feature_layer, layer_inputs, shallow_mlp, simulate_fedsgd, small_cnn
 from spear.metrics import match_samples
 from tests.conftest import assert_exact, make_client
 
@@ -214,3 +216,26 @@ def test_auto_does_not_stop_when_one_of_its_proposers_runs_dry(case):
         ctx.L.new_zeros(0, ctx.batch_size), 1, exhausted=True
     )
     assert not auto.propose(context(problem), 100).exhausted
+
+
+def test_confirmed_patterns_count_below_the_sparsity_threshold(monkeypatch):
+    """A float32 CNN feature layer (untrained, b = 64): three samples' columns have 174-183
+    zeros, under Section 4.1's threshold of 184 for 460 live rows. The subspace proposer's
+    converged patterns are pinned by the known head, so they need only a kernel's b - 1 rows."""
+    dataset = load_dataset("mnist")
+    model = small_cnn(dataset.image_shape, hidden=500, classes=dataset.classes, seed=0, dtype=torch.float32)
+    view, truth = simulate_fedsgd(model, dataset, 64, seed=0)
+    layer = feature_layer(model)
+    features = layer_inputs(view.model, layer, truth.inputs)
+    rec = spear.attack_layer(view.model, layer, view.gradients, seed=0, max_proposals=20_000)
+    assert rec.verified
+    assert_exact(rec.inputs.double(), features.double(), rtol=1e-3)
+    # the same hints held to the threshold leave those samples out
+    propose = MaskedSubspaceProposer.propose
+
+    def unconfirmed(self, ctx, max_proposals):
+        return dataclasses.replace(propose(self, ctx, max_proposals), confirmed=None)
+
+    monkeypatch.setattr(MaskedSubspaceProposer, "propose", unconfirmed)
+    held = spear.attack_layer(view.model, layer, view.gradients, seed=0, max_proposals=20_000)
+    assert not held.verified and held.stats.candidates < 64

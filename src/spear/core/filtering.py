@@ -176,7 +176,7 @@ def snap_and_filter(
     L: torch.Tensor,
     directions: torch.Tensor,
     zero_hint: torch.Tensor | None,
-    threshold_count: int,
+    threshold_count: int | torch.Tensor,
     zero_rtol: float,
     hint_rtol: float = 1e-3,
     known_masks: torch.Tensor | None = None,
@@ -188,7 +188,8 @@ def snap_and_filter(
     1. The zero set is ``zero_hint`` (or, without a hint, the rows with
        ``|L q| <= hint_rtol max|L q|``; a direction that already has enough exact zeros skips 2).
     2. ``q`` is replaced by the kernel of those rows of L (LU for b-1 rows, else eigh).
-    3. Directions whose ``L q`` has fewer than ``threshold_count`` exact zeros are dropped.
+    3. Directions whose ``L q`` has fewer than ``threshold_count`` exact zeros are dropped (one
+       count for all, or one per hint: confirmed hints need only b - 1, see ``ProposalBatch``).
     4. The survivors with distinct zero sets not among ``known_masks`` (the pool's: the same
        exact zero set means the same direction) are re-solved by SVD on their full exact zero
        set (rejected unless that kernel is one-dimensional), counted once more, and flagged
@@ -211,6 +212,7 @@ def snap_and_filter(
         return empty
     # the hinted rows define the kernel; the rough direction only matters when there is no hint
     if zero_hint is None:
+        assert not isinstance(threshold_count, torch.Tensor), "per-hint thresholds need hints"
         q = directions.to(L.dtype)
         q = q / q.norm(dim=1, keepdim=True).clamp_min(torch.finfo(L.dtype).tiny)
         exact = (
@@ -221,18 +223,23 @@ def snap_and_filter(
         rows = rows[rows.sum(dim=1) >= b - 1]
         q = q[exact]  # already exact (e.g. solved in a subspace): no kernel step needed
     else:
-        q, rows = directions.new_empty(0, b).to(L.dtype), zero_hint[zero_hint.sum(dim=1) >= b - 1]
+        enough = zero_hint.sum(dim=1) >= b - 1
+        q, rows = directions.new_empty(0, b).to(L.dtype), zero_hint[enough]
+        if isinstance(threshold_count, torch.Tensor):
+            threshold_count = threshold_count.to(enough.device)[enough]
     if rows.shape[0]:
         chunk = max(1, SNAP_CHUNK_ELEMENTS // (L.shape[0] * b))
         q = torch.cat([q, _first_kernel(L, rows, chunk)])
     if q.shape[0] == 0:
         return empty
     rows = zero_mask(q @ L.T, zero_rtol, rounding_floor(q, rounding, L.shape[0]))
+    if not isinstance(threshold_count, torch.Tensor):
+        threshold_count = torch.full((q.shape[0],), threshold_count, device=rows.device)
     keep = torch.isfinite(q).all(dim=1) & (rows.sum(dim=1) >= threshold_count)
-    q, rows = q[keep], rows[keep]
+    q, rows, threshold_count = q[keep], rows[keep], threshold_count[keep]
     # one exact re-solve per distinct zero set, none for directions already known
     fresh = first_occurrences(rows, known_masks)
-    q, rows = q[fresh], rows[fresh]
+    q, rows, threshold_count = q[fresh], rows[fresh], threshold_count[fresh]
     if q.shape[0] == 0:
         return empty
     # exact re-solve on the full zero set, with the one-dimensional-kernel check

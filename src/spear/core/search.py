@@ -80,7 +80,10 @@ class ResidualSearch:
         acceptance for the threshold to bound): it skips the threshold, and where it falls short
         (subtracting the peeled samples leaves ~1e-10 on true zeros) it is solved again exactly
         on the whole layer (``_resolve``)."""
-        threshold = 0 if self.on_last_sample else self.root.threshold_count
+        threshold: int | torch.Tensor = 0 if self.on_last_sample else self.root.threshold_count
+        if batch.confirmed is not None and batch.zero_hint is not None:
+            kernel = self.ctx.batch_size - 1  # a confirmed hint needs only its kernel's rows
+            threshold = torch.where(batch.confirmed, min(threshold, kernel), threshold)
         snapped = snap_and_filter(
             self.ctx.L,
             batch.directions,

@@ -77,12 +77,18 @@ class ProposalBatch:
         zero_hint: optional (k, rows) bool, the rows the proposer believes are zero in ``L q``;
             snapping solves for the kernel of exactly these rows.
         exhausted: True when the proposer has nothing more to offer (deterministic proposers).
+        confirmed: optional (k,) bool, hints whose pattern the proposer has confirmed by other
+            means than its zero count (:mod:`~spear.core.proposers.masked_subspace`: the known
+            layer above pins a converged pattern). The sparsity threshold, which guards against
+            mixtures passing on chance zeros, then asks only for the b - 1 rows of a kernel: a
+            true column sparser than the threshold (Section 4.1 assumes 50% zeros) still counts.
     """
 
     directions: torch.Tensor
     n_drawn: int
     zero_hint: torch.Tensor | None = None
     exhausted: bool = False
+    confirmed: torch.Tensor | None = None
 
 
 def orthogonal_complement(vectors: torch.Tensor, dim: int) -> torch.Tensor:

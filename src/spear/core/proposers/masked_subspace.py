@@ -445,6 +445,7 @@ class MaskedSubspaceProposer(DirectionProposer):
         if ctx.found.shape[0] != self.search.found.shape[1]:  # cheap: every call deflates all found
             self.search.deflate((ctx.found.to(ctx.L.dtype) @ ctx.L.T).T)
         hints, self.hints = self.hints, self.hints[:0]
+        confirmed = torch.zeros(hints.shape[0], dtype=torch.bool, device=hints.device)
         count = min(self.guesses_per_call, self.queue.shape[0], max(1, max_proposals))
         if ctx.deadline.passed():
             count = 0
@@ -455,12 +456,18 @@ class MaskedSubspaceProposer(DirectionProposer):
             h = delta @ self.B.T
             y2 = ((masks * h) ** 2).sum(dim=1, keepdim=True)
             firm = h**2 * self.search.P_diag > FIRM * done * y2
-            hints = torch.cat([hints, (~masks & firm)[ratio < done]])
-        hints = hints[hints.sum(dim=1) >= b - 1]
+            converged = (~masks & firm)[ratio < done]
+            hints = torch.cat([hints, converged])
+            # the layer above pins a converged pattern: its zero count need not pass the threshold
+            confirmed = torch.cat([confirmed, torch.ones_like(converged[:, 0])])
+        enough = hints.sum(dim=1) >= b - 1
+        hints, confirmed = hints[enough], confirmed[enough]
         directions = torch.zeros(hints.shape[0], b, dtype=ctx.L.dtype, device=ctx.L.device)
         # a call that had nothing to search or emit: nothing is left (auto moves on instead)
         spent = not count and hints.shape[0] == 0
-        return ProposalBatch(directions, n_drawn=max(1, count), zero_hint=hints, exhausted=spent)
+        return ProposalBatch(
+            directions, n_drawn=max(1, count), zero_hint=hints, exhausted=spent, confirmed=confirmed
+        )
 
 
 __all__ = ["MaskedSubspaceProposer", "PatternSearch", "applicable", "explain_away"]

@@ -8,9 +8,11 @@ import torch
 
 import spear
 import spear.core.reconstruct as reconstruct_module
+from spear.certify import ModelCertifier, model_tail
 from spear.core.certificate import infer_reduction
 from spear.core.consistency import rounding_map
 from spear.core.filtering import rounding_floor, zero_mask
+from spear.core.verdict import LOOSEST_SAMPLE_RTOL, sample_tolerances
 from spear.data import load_dataset
 from spear.fl import shallow_mlp
 from spear.fl.client import fedsgd_gradients
@@ -102,3 +104,34 @@ def test_loss_weights_are_read_at_each_samples_precision():
     # a looser tolerance on one sample does not let a double weight pass as a single one
     weights[1] *= 2
     assert infer_reduction(weights, loose).multiplicities.tolist() == [1, 2, 1, 1, 1]
+
+
+def test_a_certifier_without_the_opt_in_keeps_its_own_tolerance(faint_client):
+    """A user's certifier is called as before (two arguments) and its tolerance stands: the
+    faint samples, known only to ~1e-7, are then not certified, and nothing else changes."""
+    model, x, _, grads = faint_client
+    inner = ModelCertifier(model_tail(model, "0"), model[0].weight, model[0].bias, 1e-8)
+    calls = []
+
+    def plain(inputs, grad_outputs):
+        calls.append(inputs.shape[0])
+        return inner(inputs, grad_outputs)
+
+    rec = spear.attack_layer(model, "0", grads, seed=0, max_proposals=200_000, certifier=plain)
+    assert calls and not rec.verified
+    est, ref = match_samples(rec.certified_inputs, x)
+    assert set(ref.tolist()).isdisjoint(range(FAINT))
+    assert float((rec.certified_inputs[est] - x[ref]).abs().max()) < 1e-12
+
+
+def test_sample_tolerances_follow_the_precision_up_to_a_cap():
+    L = torch.diag(torch.tensor([1.0, 1e-2, 1e-6], dtype=torch.float64))
+    rounding = torch.diag(torch.tensor([1e-16, 1e-10, 1e-8], dtype=torch.float64))
+    q = torch.eye(3, dtype=torch.float64)
+    rtol = sample_tolerances(q, L, rounding, 1e-8)
+    # precision 1e-16, 1e-8 and 1e-2: the first at verify_rtol, the second 10 x its precision,
+    # the third far too faint: capped, never a misfit near 1
+    assert rtol.tolist() == pytest.approx([1e-8, 1e-7, LOOSEST_SAMPLE_RTOL])
+    # where verify_rtol is looser already (float32: 1e-3), nothing changes
+    assert sample_tolerances(q, L, rounding, 1e-3).tolist() == pytest.approx([1e-3] * 3)
+    assert sample_tolerances(q, L, None, 1e-8).tolist() == pytest.approx([1e-8] * 3)

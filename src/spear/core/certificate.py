@@ -71,10 +71,10 @@ class SampleCertifier(Protocol):
     """Checks recovered samples one by one.
 
     Called with the samples (k, n) of the attacked layer and their columns of dL/dZ (k, m), in
-    the layer's full output width. A certifier that takes ``rtol`` (k,) is also told, per
-    sample, a misfit tolerance looser than its own where the data know a column less precisely
-    (the column of a sample whose gradient is faint, :func:`spear.core.verdict.column_precision`);
-    it keeps its own tolerance where that is larger.
+    the layer's full output width. A certifier whose ``accepts_sample_rtol`` is True is also
+    called with ``rtol=`` (k,): per sample, a misfit tolerance looser than its own where the
+    data know a column less precisely (the column of a sample whose gradient is faint,
+    :func:`spear.core.verdict.sample_tolerances`); it keeps its own where that is larger.
     """
 
     def __call__(self, inputs: torch.Tensor, grad_outputs: torch.Tensor) -> SampleCertificates: ...

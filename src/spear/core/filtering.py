@@ -19,8 +19,12 @@ DEFAULT_ZERO_RTOL = {torch.float64: 1e-9, torch.float32: 1e-4}
 #: smallest ratio s_{b-1} / s_1 of the zero rows for the kernel to count as one-dimensional
 KERNEL_GAP_RTOL = 1e-7
 #: the rounding floor of an entry of ``L q``, in root mean squares of its error vector (a margin
-#: over the typical entry, far below the worst case: the whole error in one entry)
+#: over the typical entry, far below the worst case: the whole error in one entry) ...
 ROUNDING_ENTRY = 3.0
+#: ... and at most this fraction of the column's maximum: a column whose rounding reaches
+#: further is too faint to judge by its zeros (and the recount after snapping stays a check that
+#: the kernel is real). Below float32's ``zero_rtol``: the floor only ever acts in float64
+FLOOR_CAP = 1e-5
 #: a row whose leverage is within this of 1 is essential to the kernel (see kernel_of_rows)
 ESSENTIAL_ROW_TOL = 1e-6
 #: two unit directions with |cos| above this are the same direction
@@ -31,11 +35,15 @@ SNAP_CHUNK_ELEMENTS = 2**24
 
 def zero_mask(values: torch.Tensor, zero_rtol: float, floor: torch.Tensor | None = None) -> torch.Tensor:
     """Entries of each row of ``values`` (k x rows) that are zero relative to the row's max, or
-    within the row's rounding ``floor`` (k,), when given (:func:`rounding_floor`)."""
+    within the row's rounding ``floor`` (k,), when given (:func:`rounding_floor`), up to
+    ``FLOOR_CAP`` of the max."""
     magnitude = values.abs()
-    threshold = magnitude.amax(dim=-1, keepdim=True) * zero_rtol
+    peak = magnitude.amax(dim=-1, keepdim=True)
+    threshold = peak * zero_rtol
     if floor is not None:
-        threshold = torch.maximum(threshold, floor.reshape(-1, 1).to(threshold))
+        threshold = torch.maximum(
+            threshold, torch.minimum(floor.reshape(-1, 1).to(threshold), FLOOR_CAP * peak)
+        )
     return magnitude <= threshold
 
 

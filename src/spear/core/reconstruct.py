@@ -11,6 +11,7 @@ selection with its :class:`~spear.core.verdict.Verdict`.
 
 from __future__ import annotations
 
+import functools
 import statistics
 import time
 from dataclasses import dataclass
@@ -47,17 +48,19 @@ from spear.core.scale import LayerProblem
 from spear.core.search import ResidualSearch, lift
 from spear.core.singletons import as_input_problem, as_output_samples, singleton_candidates
 from spear.core.verdict import (
-    PRECISION_SLACK,
     WEIGHT_PRECISION,
     ModelGate,
     Verdict,
-    column_precision,
     judge,
+    sample_tolerances,
     verdict_message,
 )
 from spear.core.verify import verify
 from spear.errors import InputError, NoSparsityError, RankError
 
+#: a gradient whose first singular value beyond the batch exceeds this many eps s_max carries
+#: more than rounding (unflagged noise): its columns get no rounding floor
+ROUNDING_NOISE = 100.0
 #: how many times the expected wait for one sparse direction must pass without any candidate
 #: before the gradient is declared not ReLU-sparse, and the zero rate that wait assumes
 NO_SPARSITY_PATIENCE = 200
@@ -196,21 +199,27 @@ class AttackSetup:
         eps = torch.finfo(self.source_dtype).eps
         return resolvable(self.split.singular_values, self.b, self.tol.zero_rtol, eps)
 
-    @property
+    @functools.cached_property
     def rounding(self) -> torch.Tensor | None:
-        """The factor's rounding map (:func:`~spear.core.consistency.rounding_map`); None for a
-        noisy gradient, whose zero band is widened to the noise instead."""
-        if self.split.noisy:
-            return None
+        """The factor's rounding map (:func:`~spear.core.consistency.rounding_map`), where the
+        batch is not resolvable for its weakest samples' rounding alone; else None: a resolvable
+        batch's zero sets need no floor, and a gradient noisier than its rounding (DP-SGD,
+        compression) is not known to rounding precision."""
         eps = torch.finfo(self.source_dtype).eps
+        S = self.split.singular_values
+        beyond = float(S[self.b]) if self.b < S.numel() else 0.0
+        if self.split.noisy or self.resolvable or beyond > ROUNDING_NOISE * eps * float(S[0]):
+            return None
         factor = self.problem.sparse_factor
-        return rounding_map(self.split.singular_values, self.b, eps).to(factor)
+        return rounding_map(S, self.b, eps).to(factor)
 
     def sample_rtol(self, directions: torch.Tensor) -> torch.Tensor:
-        """(k,) the misfit tolerance of the samples of these directions (k x b): the verification
-        tolerance, or their columns' precision where that is coarser (:func:`column_precision`)."""
-        precision = column_precision(directions, self.problem.sparse_factor, self.rounding)
-        return torch.clamp_min(PRECISION_SLACK * precision, self.tol.verify_rtol)
+        """(k,) the misfit tolerance of the samples of these directions (k x b):
+        :func:`~spear.core.verdict.sample_tolerances` in output mode with a certificate that
+        takes it, else the verification tolerance."""
+        if self.options.sparsity != "output":
+            return torch.full((directions.shape[0],), self.tol.verify_rtol, dtype=torch.float64)
+        return sample_tolerances(directions, self.problem.sparse_factor, self.rounding, self.tol.verify_rtol)
 
     @property
     def elapsed(self) -> float:
@@ -444,6 +453,8 @@ class _Attack:
         the model certificate's labels, weights and strength where a model is known."""
         grads = self.setup.expand(self.setup.problem.L @ samples.duals.T).T
         rtol = self.setup.sample_rtol(samples.duals)
+        if not self.gate.takes_rtol:
+            rtol = torch.full_like(rtol, self.setup.tol.verify_rtol)
         cert = self.gate.check(self.setup.expand_inputs(samples.inputs), grads, layer_ok, rtol)
         if cert is None:
             return layer_ok
@@ -544,7 +555,8 @@ class _Attack:
         known = self._peeled_certificates(selection.Qbar.shape[1], certified, index)
         tol, gate, ok = self.setup.tol, self.gate, self.resolvable
         clients = self.setup.options.clients
-        rounding = self.setup.rounding
+        # the certificate's per-sample precision is that of the dL/dZ columns (output sparsity)
+        rounding = self.setup.rounding if self.setup.options.sparsity == "output" else None
         return judge(
             selection, factor, certified, assembled, check, tol, gate, ok, known, robust, clients, rounding
         )

@@ -442,8 +442,9 @@ class MaskedSubspaceProposer(DirectionProposer):
         b = ctx.batch_size
         if self.queue.shape[0] == 0:
             self._refill(ctx)
-        if ctx.found.shape[0] != self.search.found.shape[1]:  # cheap: every call deflates all found
-            self.search.deflate((ctx.found.to(ctx.L.dtype) @ ctx.L.T).T)
+        found = (ctx.found.to(ctx.L.dtype) @ ctx.L.T).T  # every call deflates all found (cheap)
+        if found.shape != self.search.found.shape or not torch.equal(found, self.search.found):
+            self.search.deflate(found)
         hints, self.hints = self.hints, self.hints[:0]
         confirmed = torch.zeros(hints.shape[0], dtype=torch.bool, device=hints.device)
         count = min(self.guesses_per_call, self.queue.shape[0], max(1, max_proposals))

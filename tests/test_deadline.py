@@ -9,7 +9,7 @@ import torch
 
 import spear
 from spear.core.deadline import NEVER, Deadline
-from spear.core.filtering import zero_mask
+from spear.core.filtering import kernel_of_rows, snap_and_filter, zero_mask
 from spear.core.greedy import greedy_filter, sparsest_basis
 from spear.core.proposers import ProposalContext
 from spear.core.proposers.next_layer import NextLayerProposer
@@ -75,3 +75,17 @@ def test_attack_reports_a_time_budget_stop():
     client = make_client(20, width=200, seed=3)
     rec = spear.reconstruct(*client.layer_args(), time_budget=1e-9, seed=0)
     assert rec.stats.stop_reason == "time budget" and not rec.verified
+
+
+def test_kernels_of_zero_sets_stop_at_the_deadline():
+    """Snapping solves one SVD per zero set (~0.1 s each at m = 1000, b = 512): hundreds of
+    hints once held an attack 80 s past a 60 s budget. Past the deadline nothing more is solved."""
+    _, problem, _, _, Qt = _client(40, 400)
+    masks = zero_mask((problem.L @ Qt).T, 1e-9)
+    q, one_dim, _ = kernel_of_rows(problem.L, masks)
+    assert bool(one_dim.all())
+    q, one_dim, _ = kernel_of_rows(problem.L, masks, PASSED)
+    assert not bool(one_dim.any()) and bool(torch.isnan(q).all())
+    snapped = snap_and_filter(problem.L, Qt.T, masks, 100, 1e-9, deadline=PASSED)
+    assert snapped.directions.shape[0] == 0
+    assert snap_and_filter(problem.L, Qt.T, masks, 100, 1e-9).directions.shape[0] == 40

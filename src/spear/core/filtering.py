@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from spear.core.deadline import NEVER, Deadline
+
 #: default relative magnitude below which an entry of ``L q`` counts as an exact zero
 DEFAULT_ZERO_RTOL = {torch.float64: 1e-9, torch.float32: 1e-4}
 #: smallest ratio s_{b-1} / s_1 of the zero rows for the kernel to count as one-dimensional
@@ -31,6 +33,8 @@ ESSENTIAL_ROW_TOL = 1e-6
 DUPLICATE_COS = 1.0 - 1e-9
 #: how many numbers one batched kernel step may hold (hints x rows x b)
 SNAP_CHUNK_ELEMENTS = 2**24
+#: ... and one batched SVD of masked factors (kernel_of_rows): a few seconds at most
+KERNEL_CHUNK_ELEMENTS = 2**22
 
 
 def zero_mask(values: torch.Tensor, zero_rtol: float, floor: torch.Tensor | None = None) -> torch.Tensor:
@@ -64,7 +68,9 @@ def canonical_sign(q: torch.Tensor) -> torch.Tensor:
     return q * torch.sign(q.gather(1, pivot))
 
 
-def kernel_of_rows(L: torch.Tensor, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def kernel_of_rows(
+    L: torch.Tensor, rows: torch.Tensor, deadline: Deadline = NEVER
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Smallest right singular vector of ``L[rows_i]`` for each mask ``rows_i`` (k x m), whether
     that kernel is one-dimensional, and whether it is *robust*. Masked-out rows are zeroed, which
     changes neither the right singular vectors nor the nonzero singular values.
@@ -77,16 +83,27 @@ def kernel_of_rows(L: torch.Tensor, rows: torch.Tensor) -> tuple[torch.Tensor, t
     too, and L alone cannot tell the two cases apart. Non-robust candidates therefore stay in
     the pool for the greedy selection (which also uses W and b) but are not trusted for
     deflation and guidance.
+
+    Solved in chunks of ``KERNEL_CHUNK_ELEMENTS`` numbers (one SVD of a 1000 x 512 matrix takes
+    ~0.1 s); once ``deadline`` has passed, the masks left are not solved (not one-dimensional).
     """
-    if L.shape[1] == 1:  # one direction (the last sample of a residual problem): nothing to solve
-        ones = torch.ones(rows.shape[0], dtype=torch.bool, device=L.device)
-        return torch.ones(rows.shape[0], 1, dtype=L.dtype, device=L.device), ones, ones
-    masked = L.unsqueeze(0) * rows.unsqueeze(-1).to(L.dtype)  # (k, m, b)
-    U, S, Vh = torch.linalg.svd(masked, full_matrices=False)
-    kernel = Vh[:, -1, :]
-    one_dimensional = S[:, -2] > KERNEL_GAP_RTOL * S[:, 0]
-    leverage = (U[:, :, :-1] ** 2).sum(dim=-1)  # (k, m): 1 for an essential row
-    robust = (leverage < 1.0 - ESSENTIAL_ROW_TOL).all(dim=1)
+    k, b = rows.shape[0], L.shape[1]
+    if b == 1:  # one direction (the last sample of a residual problem): nothing to solve
+        ones = torch.ones(k, dtype=torch.bool, device=L.device)
+        return torch.ones(k, 1, dtype=L.dtype, device=L.device), ones, ones
+    kernel = torch.full((k, b), torch.nan, dtype=L.dtype, device=L.device)
+    one_dimensional = torch.zeros(k, dtype=torch.bool, device=L.device)
+    robust = torch.zeros(k, dtype=torch.bool, device=L.device)
+    chunk = max(1, KERNEL_CHUNK_ELEMENTS // (L.shape[0] * b))
+    for part in torch.arange(k, device=L.device).split(chunk):
+        if deadline.passed():
+            break
+        masked = L.unsqueeze(0) * rows[part].unsqueeze(-1).to(L.dtype)  # (c, m, b)
+        U, S, Vh = torch.linalg.svd(masked, full_matrices=False)
+        kernel[part] = Vh[:, -1, :]
+        one_dimensional[part] = S[:, -2] > KERNEL_GAP_RTOL * S[:, 0]
+        leverage = (U[:, :, :-1] ** 2).sum(dim=-1)  # (c, m): 1 for an essential row
+        robust[part] = (leverage < 1.0 - ESSENTIAL_ROW_TOL).all(dim=1)
     return kernel, one_dimensional, robust
 
 
@@ -190,6 +207,7 @@ def snap_and_filter(
     known_masks: torch.Tensor | None = None,
     zero_floor: float | None = None,
     rounding: torch.Tensor | None = None,
+    deadline: Deadline = NEVER,
 ) -> SnapResult:
     """Make rough directions exact and keep those that pass the sparsity filter.
 
@@ -206,7 +224,8 @@ def snap_and_filter(
     ``zero_floor`` (default ``zero_rtol``) marks the entries that are certainly zero
     (``SnapResult.certain_zero``, see :mod:`spear.core.consistency`). ``rounding``: the factor's
     rounding map; entries within a direction's rounding floor count as zero too (the columns of
-    samples whose gradient is faint, :func:`rounding_floor`).
+    samples whose gradient is faint, :func:`rounding_floor`). Past ``deadline`` the directions
+    left are dropped (:func:`kernel_of_rows`).
     """
     b = L.shape[1]
     empty = SnapResult(
@@ -251,7 +270,7 @@ def snap_and_filter(
     if q.shape[0] == 0:
         return empty
     # exact re-solve on the full zero set, with the one-dimensional-kernel check
-    q, one_dim, robust = kernel_of_rows(L, rows)
+    q, one_dim, robust = kernel_of_rows(L, rows, deadline)
     values = q @ L.T
     rows = zero_mask(values, zero_rtol, rounding_floor(q, rounding, L.shape[0]))
     keep = one_dim & (rows.sum(dim=1) >= threshold_count)

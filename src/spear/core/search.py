@@ -93,6 +93,7 @@ class ResidualSearch:
             known_masks=known,
             zero_floor=tol.zero_floor,
             rounding=self.ctx.rounding,
+            deadline=self.ctx.deadline,
         )
         if self.basis is None:
             return snapped

@@ -10,7 +10,7 @@ import torch
 import spear
 from spear.core.deadline import NEVER, Deadline
 from spear.core.filtering import kernel_of_rows, snap_and_filter, zero_mask
-from spear.core.greedy import greedy_filter, sparsest_basis
+from spear.core.greedy import greedy_filter, sparsest_basis, swap_sigmas
 from spear.core.proposers import ProposalContext
 from spear.core.proposers.next_layer import NextLayerProposer
 from tests.conftest import make_client
@@ -48,6 +48,15 @@ def test_greedy_sweeps_stop_at_the_deadline():
     late = greedy_filter(problem, directions, masks, counts, deadline=PASSED)
     # stage 1 only: the impostor stays
     assert late.indices == tuple(sparsest_basis(directions, counts, 8)) and late.sigma < 1.0
+    # within a sweep, the ranking of swaps stops between positions (b = 512 with 500 candidates
+    # made one sweep minutes long)
+    current = torch.tensor(late.indices)
+    outside = torch.tensor(sorted(set(range(9)) - set(late.indices)))
+    free = torch.arange(8)
+    ranked = swap_sigmas(problem, directions, masks, None, 0.0, current, free, outside)
+    assert float(ranked.max()) == 1.0
+    cut = swap_sigmas(problem, directions, masks, None, 0.0, current, free, outside, PASSED)
+    assert bool((cut == -1.0).all())
 
 
 def test_next_layer_proposer_stops_at_the_deadline():

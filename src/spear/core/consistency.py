@@ -131,8 +131,13 @@ def rounding_map(singular_values: torch.Tensor, b: int, eps: float) -> torch.Ten
     is ``noise / s_b`` for a sample whose gradient is faint (a well-classified sample: ~1e-7 at
     ``s_b / s_1 ~ 1e-9``), far above ``zero_rtol``; such a column's true zeros then fail the
     relative test, and the batch cannot reach sigma = 1 (Fashion-MNIST b = 256 in the LT
-    setting: 2 of 256). Where the other columns are concerned the floor lies far below
-    ``zero_rtol * max`` and changes nothing."""
+    setting: 2 of 256). It is a first-order estimate, not a bound (the review of this map:
+    the zero-forcing solve can amplify it for near-duplicate zero sets), so its uses are capped
+    (:data:`spear.core.filtering.FLOOR_CAP`, :data:`spear.core.verdict.LOOSEST_SAMPLE_RTOL`),
+    and the attack applies it only where the batch is not resolvable and the gradient carries
+    no more than rounding (:attr:`spear.core.reconstruct.AttackSetup.rounding`): in effect to
+    float64 gradients with faint samples, whose other columns' floors lie far below
+    ``zero_rtol * max``."""
     S = singular_values.to(torch.float64)
     noise = max(float(S[b]) if b < S.numel() else 0.0, eps * float(S[0]))
     return torch.diag(noise / S[:b].clamp_min(torch.finfo(torch.float64).tiny).sqrt())

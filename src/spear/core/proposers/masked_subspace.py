@@ -34,7 +34,10 @@ Guesses come from what the server sees:
   new guess.
 
 Every hint goes through the core's exact snapping and sparsity filter, so a wrong pattern costs
-time, never correctness. Only server-side quantities are used: W, bias, W', dL/dW and dL/db.
+time, never correctness. A converged pattern's hint is *confirmed* (``ProposalBatch.confirmed``):
+the layer above pins it, so it needs only a kernel's b - 1 zero rows, not Section 4.1's
+threshold, which true columns with fewer zeros than 50% miss. Only server-side quantities
+are used: W, bias, W', dL/dW and dL/db.
 """
 
 from __future__ import annotations

@@ -51,15 +51,23 @@ def zero_mask(values: torch.Tensor, zero_rtol: float, floor: torch.Tensor | None
     return magnitude <= threshold
 
 
+def rounding_error(q: torch.Tensor, rounding: torch.Tensor | None) -> torch.Tensor | None:
+    """For directions ``q`` (k x b) of a factor whose rounding map is ``rounding`` (B x b,
+    :func:`spear.core.consistency.rounding_map`), the norm of the rounding error of each ``L q``
+    (k,). None without a map."""
+    if rounding is None:
+        return None
+    return (q.to(rounding.dtype) @ rounding.T).norm(dim=1)
+
+
 def rounding_floor(q: torch.Tensor, rounding: torch.Tensor | None, rows: int) -> torch.Tensor | None:
     """For directions ``q`` (k x b) of a factor with ``rows`` rows whose rounding map is
     ``rounding`` (B x b, :func:`spear.core.consistency.rounding_map`), the rounding floor of the
     entries of ``L q`` (k,): ``ROUNDING_ENTRY`` times the root mean square entry of the error
     vector. Its true zeros lie below it (measured: a faint column's zeros reach 1e-8 of its
     maximum, where the floor is 3e-7). None without a map."""
-    if rounding is None:
-        return None
-    return ROUNDING_ENTRY * (q.to(rounding.dtype) @ rounding.T).norm(dim=1) / math.sqrt(rows)
+    error = rounding_error(q, rounding)
+    return None if error is None else ROUNDING_ENTRY * error / math.sqrt(rows)
 
 
 def canonical_sign(q: torch.Tensor) -> torch.Tensor:

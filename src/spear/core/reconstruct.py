@@ -215,8 +215,8 @@ class AttackSetup:
 
     def sample_rtol(self, directions: torch.Tensor) -> torch.Tensor:
         """(k,) the misfit tolerance of the samples of these directions (k x b):
-        :func:`~spear.core.verdict.sample_tolerances` in output mode with a certificate that
-        takes it, else the verification tolerance."""
+        :func:`~spear.core.verdict.sample_tolerances` in output mode (the precision of the dL/dZ
+        columns the certificate checks), else the verification tolerance."""
         if self.options.sparsity != "output":
             return torch.full((directions.shape[0],), self.tol.verify_rtol, dtype=torch.float64)
         return sample_tolerances(directions, self.problem.sparse_factor, self.rounding, self.tol.verify_rtol)
@@ -452,9 +452,7 @@ class _Attack:
         """Which peeled samples count, given which the layers certify (``layer_ok``); fills in
         the model certificate's labels, weights and strength where a model is known."""
         grads = self.setup.expand(self.setup.problem.L @ samples.duals.T).T
-        rtol = self.setup.sample_rtol(samples.duals)
-        if not self.gate.takes_rtol:
-            rtol = torch.full_like(rtol, self.setup.tol.verify_rtol)
+        rtol = self._sample_rtol(samples.duals)
         cert = self.gate.check(self.setup.expand_inputs(samples.inputs), grads, layer_ok, rtol)
         if cert is None:
             return layer_ok
@@ -555,11 +553,18 @@ class _Attack:
         known = self._peeled_certificates(selection.Qbar.shape[1], certified, index)
         tol, gate, ok = self.setup.tol, self.gate, self.resolvable
         clients = self.setup.options.clients
-        # the certificate's per-sample precision is that of the dL/dZ columns (output sparsity)
-        rounding = self.setup.rounding if self.setup.options.sparsity == "output" else None
+        rtol = self._sample_rtol(selection.Qbar.T)
         return judge(
-            selection, factor, certified, assembled, check, tol, gate, ok, known, robust, clients, rounding
+            selection, factor, certified, assembled, check, tol, gate, ok, known, robust, clients, rtol
         )
+
+    def _sample_rtol(self, directions: torch.Tensor) -> torch.Tensor:
+        """(k,) the misfit tolerances of these directions' samples: the setup's per-sample ones
+        (:meth:`AttackSetup.sample_rtol`) where the certificate takes them, else the
+        verification tolerance, so that loss weights are read at the precision checked."""
+        if self.gate.takes_rtol:
+            return self.setup.sample_rtol(directions)
+        return torch.full((directions.shape[0],), self.setup.tol.verify_rtol, dtype=torch.float64)
 
     def _certified_as_assembled(
         self, selection: Selection, certified: torch.Tensor, inputs: torch.Tensor

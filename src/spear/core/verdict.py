@@ -32,7 +32,7 @@ from spear.core.certificate import (
     infer_reduction,
 )
 from spear.core.consistency import Determinacy, Tolerances, ambiguous_groups
-from spear.core.filtering import zero_mask
+from spear.core.filtering import rounding_error, zero_mask
 from spear.core.greedy import Selection
 from spear.core.verify import Verification
 
@@ -175,7 +175,7 @@ def judge(
     known: SampleCertificates | None = None,
     pinned: torch.Tensor | None = None,
     clients: int = 1,
-    rounding: torch.Tensor | None = None,
+    sample_rtol: torch.Tensor | None = None,
 ) -> Verdict:
     """The verdict on ``selection`` (whose columns ``certified`` were peeled and certified one
     by one), given its assembled inputs and full-width dL/dZ and their gradient check.
@@ -183,18 +183,16 @@ def judge(
     the others are checked again; ``pinned`` the columns' pins when the pool knows them.
     ``resolvable``: the batch's zero sets can be trusted (:func:`spear.core.consistency.
     resolvable`); otherwise nothing is pinned. ``clients`` > 1: the gradient sums that many
-    clients' mean losses (secure aggregation). ``rounding``: the factor's rounding map, which
-    bounds how precisely each column, hence each sample's loss weight, is known."""
+    clients' mean losses (secure aggregation). ``sample_rtol`` (b,): each column's misfit
+    tolerance, looser than ``verify_rtol`` for columns known less precisely
+    (:func:`sample_tolerances`); its loss weight is read at the same precision."""
     inputs, grad_outputs = assembled
     zero = zero_mask((sparse_factor @ selection.Qbar).T, tol.zero_rtol)
     determinacy = ambiguous_groups(sparse_factor, selection.Qbar.T, zero, certified, pinned, tol.zero_rtol)
     pinned = (determinacy.pinned | certified) & resolvable
     consistent = check.verified and selection.perfect
-    # each column at its own precision (a faint sample's is known to ~noise / s_b only), where
-    # the certificate can take it; the loss weights are then read at the same precision
-    sample_rtol = torch.full((selection.Qbar.shape[1],), tol.verify_rtol, dtype=torch.float64)
-    if gate.takes_rtol:
-        sample_rtol = sample_tolerances(selection.Qbar.T, sparse_factor, rounding, tol.verify_rtol)
+    if sample_rtol is None:
+        sample_rtol = torch.full((selection.Qbar.shape[1],), tol.verify_rtol, dtype=torch.float64)
     cert = _certify_rest(gate, inputs, grad_outputs.T, pinned, known, sample_rtol) if consistent else None
     verdict = Verdict(
         inputs, grad_outputs, check, consistent, determinacy, cert, BatchReduction(None, None, None), None, []
@@ -271,10 +269,10 @@ def column_precision(
     norm (0 without a map). About ``noise / s_b`` for a faint sample's column, far below any
     tolerance for the others."""
     q = directions
-    if rounding is None:
+    error = rounding_error(q, rounding)
+    if error is None:
         return q.new_zeros(q.shape[0])
-    error = (q.to(rounding.dtype) @ rounding.T).norm(dim=1).to(q)
-    return error / (q @ sparse_factor.T).norm(dim=1).clamp_min(torch.finfo(q.dtype).tiny)
+    return error.to(q) / (q @ sparse_factor.T).norm(dim=1).clamp_min(torch.finfo(q.dtype).tiny)
 
 
 def _judge_by_model(

@@ -382,3 +382,24 @@ def test_leading_svd_equals_the_full_svd_of_a_low_rank_gradient(dtype):
 
     assert distance(Vh0[:b], Vh2[:b].T) <= 2 * distance(Vh0[:b], Vh[:b].T) + 1e-14
     assert distance(U0[:, :b].T, U2[:, :b]) <= 2 * distance(U0[:, :b].T, U[:, :b]) + 1e-14
+
+
+def test_every_robust_direction_is_peeled_and_only_the_sparsest_others():
+    from spear.core.filtering import SnapResult
+    from spear.core.reconstruct import NONROBUST_PEEL_PER_STEP, worth_peeling
+
+    k, b, m = 3 * NONROBUST_PEEL_PER_STEP, 4, 10
+    counts = torch.randperm(k, generator=torch.Generator().manual_seed(0)) + b
+    robust = torch.zeros(k, dtype=torch.bool)
+    robust[:5] = True
+    snapped = SnapResult(torch.zeros(k, b), torch.zeros(k, m, dtype=torch.bool), counts, robust)
+    chosen = worth_peeling(snapped)
+    assert chosen.tolist() == sorted(chosen.tolist())
+    assert set(range(5)) <= set(chosen.tolist())
+    others = [i for i in chosen.tolist() if i >= 5]
+    assert len(others) == NONROBUST_PEEL_PER_STEP
+    cutoff = min(int(counts[i]) for i in others)
+    assert all(int(counts[i]) <= cutoff for i in range(5, k) if i not in others)
+    # robustness unknown: everything is peeled
+    unknown = SnapResult(snapped.directions, snapped.zero_masks, counts)
+    assert worth_peeling(unknown).tolist() == list(range(k))

@@ -315,3 +315,27 @@ def test_peeling_a_mixture_whose_kernel_is_one_dimensional_is_not_certified():
         assert not bool(outcome.robust[0])
         consistent += bool(outcome.consistent[0])
     assert consistent >= 1  # some pass steps 1-3: robustness is what rejects them
+
+
+def test_a_failed_direction_is_retried_only_when_its_mask_holds_band_rows(monkeypatch):
+    # the retry solves the kernel on the clearly zero rows; without band rows those are the
+    # mask itself, whose check just failed: solving it again is wasted work (trained
+    # networks: thousands of mixtures per step)
+    import spear.core.peeling as peeling
+
+    b = 40
+    _, problem, _, _, Qt = _client(b, 400, seed=1)
+    peeler = SamplePeeler(problem, RTOL, 1e-10, zero_rtol=1e-9)
+    mixture = (Qt[:, 0] + Qt[:, 1]) / (Qt[:, 0] + Qt[:, 1]).norm()
+    values = problem.L @ mixture
+    exact = zero_mask(values[None], 1e-11)  # only clear zeros (the retry's level)
+    calls = []
+    original = peeling.kernel_of_rows
+    monkeypatch.setattr(peeling, "kernel_of_rows", lambda *a, **k: calls.append(1) or original(*a, **k))
+    assert not bool(peeler.peel(mixture[None], exact).consistent[0])
+    assert calls == []
+    # a mask that also holds a row that is not clearly zero: now the retry runs, without it
+    banded = exact.clone()
+    banded[0, int((~exact[0]).nonzero()[0, 0])] = True
+    assert not bool(peeler.peel(mixture[None], banded).consistent[0])
+    assert len(calls) == 1

@@ -67,6 +67,8 @@ NEXT_ZERO_RTOL = 1e-11
 
 def peel_chunks(indices: torch.Tensor, per_direction: int) -> tuple[torch.Tensor, ...]:
     """``indices`` in memory-bounded chunks of at most ``PEEL_CHUNK_DIRECTIONS``."""
+    if indices.numel() == 0:
+        return ()
     size = max(1, min(PEEL_CHUNK_DIRECTIONS, PEEL_CHUNK_ELEMENTS // max(1, per_direction)))
     return indices.split(size)
 
@@ -303,7 +305,8 @@ class SamplePeeler:
         q = directions[failed].to(L.dtype)
         values = (q @ L.T).abs()
         tight = masks[failed] & (values <= BAND_FRACTION * self.zero_rtol * values.amax(dim=1, keepdim=True))
-        retry = tight.sum(dim=1) >= b
+        # without band rows the retry would solve and check the same rows again
+        retry = (tight.sum(dim=1) >= b) & (tight != masks[failed]).any(dim=1)
         for part in peel_chunks(retry.nonzero()[:, 0], m * (b + 1)):
             if deadline.passed():
                 break

@@ -403,3 +403,23 @@ def test_every_robust_direction_is_peeled_and_only_the_sparsest_others():
     # robustness unknown: everything is peeled
     unknown = SnapResult(snapped.directions, snapped.zero_masks, counts)
     assert worth_peeling(unknown).tolist() == list(range(k))
+
+
+def test_a_robust_candidate_that_peeling_refuted_is_not_trusted():
+    # float32 zero bands make some mixtures robust; peeling's checks are what refutes them,
+    # and proposers must not deflate against them. Pins (robust) stay as they are.
+    from spear.core.filtering import CandidatePool, SnapResult
+
+    b, m = 3, 8
+    pool = CandidatePool(b, m)
+    directions = torch.eye(b, dtype=torch.float64)
+    masks = torch.zeros(b, m, dtype=torch.bool)
+    counts = torch.full((b,), 4)
+    robust = torch.tensor([True, True, False])
+    refuted = torch.tensor([False, True, False])
+    pool.add(SnapResult(directions, masks, counts, robust, torch.zeros(b, dtype=torch.bool), None, refuted))
+    assert pool.trusted_mask.tolist() == [True, False, False]
+    assert pool.robust.tolist() == [True, True, False]
+    # a certified sample is trusted whatever else was said of it
+    pool.certified[1] = True
+    assert pool.trusted_mask.tolist() == [True, True, False]

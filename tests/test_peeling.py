@@ -202,6 +202,24 @@ def test_residual_next_layer_gradient_drops_the_peeled_samples():
     assert torch.equal(residual.next_grad_weight == 0, expected)
 
 
+def test_residual_next_layer_gradient_keeps_the_exact_zeros_of_the_whole_one():
+    # float32 clients: a peeled sample's dZ'_j comes out of its solve with ~1e-7 of its largest
+    # entry on its inactive next neurons; subtracting it must not turn exact zeros of dL/dW'
+    # (no sample reaches them) into rounding errors, or the residual has fewer zero sets
+    b = 30
+    _, problem, _, _, Qt = _client(b, 300, seed=7)
+    F = torch.arange(0, b, 2)
+    masks = zero_mask((problem.L @ Qt[:, F]).T, 1e-9)
+    _, samples = _peel(_peeler(problem), Qt[:, F].T, masks)
+    terms = samples.next_grad_outputs
+    noise = torch.randn(terms.shape, dtype=terms.dtype, generator=torch.Generator().manual_seed(0))
+    samples.next_grad_outputs = terms + 1e-7 * terms.abs().amax(dim=1, keepdim=True) * noise
+    residual, _ = residual_problem(problem, samples)
+    G = problem.next_grad_weight
+    assert int((G == 0).sum()) > 1000
+    assert bool((residual.next_grad_weight[G == 0] == 0).all())
+
+
 def test_the_last_sample_comes_from_the_residual_basis_alone():
     # b - 1 true directions peel to b - 1 samples; the residual problem then has batch size 1,
     # its only direction is the basis vector, and no proposer is asked for it

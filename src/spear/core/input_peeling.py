@@ -87,7 +87,7 @@ class InputSidePeeler:
                 if deadline.passed():
                     break
                 ok, firm, r, duals[part] = self._complete(p[part])
-                checks.record(part, ok, firm, r)
+                checks.record(part, ok, firm, r, torch.zeros_like(ok))  # refutes nothing
         consistent, coefficients = checks.consistent, checks.coefficients
         samples = PeeledSamples(
             directions=directions[consistent].to(L.dtype),

@@ -435,6 +435,9 @@ class _Attack:
             snapped.directions[chosen], snapped.zero_masks[chosen], self.setup.deadline
         )
         samples = outcome.samples
+        if outcome.refuted is not None:  # no sample's: not trusted (CandidatePool)
+            snapped.refuted = torch.zeros_like(snapped.zero_counts, dtype=torch.bool)
+            snapped.refuted[chosen[outcome.refuted]] = True
         consistent = outcome.consistent.nonzero()[:, 0]
         position = chosen[consistent]
         self._adopt_directions(snapped, position, samples.directions)
@@ -664,7 +667,10 @@ class _Attack:
     def _check_stall(self) -> None:
         """When no new direction came for ``STALL_CALLS`` calls with fewer than b in hand, probe
         the current problem (the residual one, after peeling) once: if its columns are sparse but
-        below the threshold, lower it (the columns found first are the sparsest ones)."""
+        below the threshold, lower it (the columns found first are the sparsest ones). They are
+        when the probe finds nothing above the threshold, or finds robust directions below it
+        (no essential zero row: true columns, as mixtures have one; a trained float32 MLP's
+        columns straddle the threshold, and those above it are found, the others never)."""
         s = self.setup
         trusted = int(self.pool.trusted_mask.sum())
         if trusted != self.trusted_seen:
@@ -677,7 +683,9 @@ class _Attack:
         probe = probe_sparse_directions(ctx, s.tol.zero_rtol, s.tol.zero_floor, self.pool.known_masks)
         if not probe.probed or probe.looks_dense(ctx.batch_size, ctx.rows):
             return
-        if not bool((probe.snapped.zero_counts >= s.threshold).any()):
+        counts, robust = probe.snapped.zero_counts, probe.snapped.robust
+        below = counts < s.threshold
+        if bool(below.all()) or (robust is not None and bool((robust & below).any())):
             self._adapt_threshold(adapted_threshold(probe.sparsest, s.b), probe.sparsest, ctx.rows)
         snapped = probe.snapped
         if self.search.basis is not None:

@@ -357,3 +357,44 @@ def test_a_failed_direction_is_retried_only_when_its_mask_holds_band_rows(monkey
     banded[0, int((~exact[0]).nonzero()[0, 0])] = True
     assert not bool(peeler.peel(mixture[None], banded).consistent[0])
     assert len(calls) == 1
+
+
+def test_peeling_refutes_wrong_directions_but_not_true_or_pattern_sharing_ones():
+    # refuted: the activation's zero set pins one direction at most and no sample fits. A true
+    # column is never refuted; nor is a sample whose pattern another shares (its activation
+    # kernel is two-dimensional: not certified here, but not refuted either)
+    b = 40
+    _, problem, _, _, Qt = _client(b, 400, seed=1)
+    peeler = _peeler(problem)
+    true = peeler.peel(Qt.T, zero_mask((problem.L @ Qt).T, 1e-9))
+    assert bool(true.consistent.all()) and not bool(true.refuted.any())
+    # zero sets no sample has (random halves of the rows): no activation vanishes there
+    g = torch.Generator().manual_seed(3)
+    masks = torch.rand(4, problem.L.shape[0], generator=g) < 0.5
+    outcome = peeler.peel(Qt[:, :4].T, masks)
+    assert not bool(outcome.consistent.any()) and bool(outcome.refuted.all())
+    # past the deadline nothing is checked, so nothing is refuted
+    from spear.core.deadline import Deadline
+
+    late = peeler.peel(Qt[:, :4].T, masks, Deadline(0.0))
+    assert not bool(late.refuted.any())
+
+    from spear.fl import fully_connected
+
+    x = torch.randn(6, 784, dtype=torch.float64, generator=torch.Generator().manual_seed(11))
+    x[1] = x[0] + 1e-6 * torch.randn(784, dtype=torch.float64, generator=torch.Generator().manual_seed(12))
+    model = fully_connected(784, 200, 3, seed=11)
+    Z = model[0](x)
+    Z.retain_grad()
+    torch.nn.functional.cross_entropy(model[1:](Z), torch.arange(6)).backward()
+    grads = {n: p.grad.detach() for n, p in model.named_parameters()}
+    split = low_rank_split(grads["0.weight"])
+    shared = LayerProblem(
+        model[0].weight.detach(), model[0].bias.detach(), grads["0.bias"], split.L, split.R, "output",
+        grads["2.weight"], model[2].weight.detach(),
+    )  # fmt: skip
+    dZ = Z.grad.detach().T  # (m, b)
+    assert torch.equal(dZ[:, 0] == 0, dZ[:, 1] == 0)  # one activation pattern
+    q = torch.linalg.lstsq(split.L, dZ[:, :1]).solution.T
+    outcome = SamplePeeler(shared, RTOL, 1e-10).peel(q / q.norm(), zero_mask(dZ[:, :1].T, 1e-12))
+    assert not bool(outcome.consistent[0]) and not bool(outcome.refuted[0])

@@ -400,6 +400,9 @@ class CandidatePool:
             return
         order = torch.argsort(self.zero_counts[untrusted], descending=True, stable=True)
         drop = untrusted[order[limit:]]
+        # refuted ones leave for good: found again, they would be peeled again
+        gone = drop[self.refuted[drop]]
+        self.rejected_masks = torch.cat([self.rejected_masks, self.zero_masks[gone]])
         keep = torch.ones(len(self), dtype=torch.bool, device=self.robust.device)
         keep[drop] = False
         self._keep(keep)

@@ -325,6 +325,9 @@ class SamplePeeler:
         tight = masks[failed] & (values <= BAND_FRACTION * self.zero_rtol * values.amax(dim=1, keepdim=True))
         # without band rows the retry would solve and check the same rows again
         retry = (tight.sum(dim=1) >= b) & (tight != masks[failed]).any(dim=1)
+        # refuted only once the retry has failed too (not when the deadline cut it off)
+        first = checks.refuted.clone()
+        checks.refuted[failed[retry]] = False
         for part in peel_chunks(retry.nonzero()[:, 0], m * (b + 1)):
             if deadline.passed():
                 break
@@ -333,7 +336,7 @@ class SamplePeeler:
             kernel = kernel * torch.sign((kernel * q[part]).sum(dim=1, keepdim=True))
             ok, firm, r, _ = self._certify(kernel, masks[rows], tight[part])
             ok &= one_dim
-            checks.record(rows, ok, firm & ok, r, checks.refuted[rows] & ~ok)
+            checks.record(rows, ok, firm & ok, r, first[rows] & ~ok)
             directions[rows[ok]] = kernel[ok].to(directions.dtype)
 
     def peel(self, directions: torch.Tensor, masks: torch.Tensor, deadline: Deadline = NEVER) -> PeelOutcome:

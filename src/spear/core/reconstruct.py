@@ -430,12 +430,18 @@ class _Attack:
         samples the model certifies."""
         if self.peeler is None or not snapped.directions.shape[0]:
             return None
-        chosen = worth_peeling(snapped)
+        # the cap is measured on output-side peeling only; input-side peeling takes every one
+        chosen = torch.arange(snapped.directions.shape[0], device=snapped.directions.device)
+        if isinstance(self.peeler, SamplePeeler):
+            chosen = worth_peeling(snapped)
         outcome = self.peeler.peel(
             snapped.directions[chosen], snapped.zero_masks[chosen], self.setup.deadline
         )
         samples = outcome.samples
-        if outcome.refuted is not None:  # no sample's: not trusted (CandidatePool)
+        # no sample's: not trusted (CandidatePool), once the peeler has shown it fits this
+        # client by certifying a sample (a next layer it does not describe refutes every column)
+        calibrated = len(self.peeled) > 0 or bool(outcome.consistent.any())
+        if outcome.refuted is not None and calibrated:
             snapped.refuted = torch.zeros_like(snapped.zero_counts, dtype=torch.bool)
             snapped.refuted[chosen[outcome.refuted]] = True
         consistent = outcome.consistent.nonzero()[:, 0]
@@ -563,7 +569,9 @@ class _Attack:
             if self.best is not None and selection.sigma < self.best.sigma:
                 return
             chosen = list(selection.indices)
-            verdict = self._judge(selection, pool.certified[chosen], pool.robust[chosen])
+            # a robust candidate that peeling refuted pins nothing (float32 mixtures can be robust)
+            pinned = pool.robust[chosen] & ~pool.refuted[chosen]
+            verdict = self._judge(selection, pool.certified[chosen], pinned)
             if verdict is not None and verdict.reject:
                 pool.reject([selection.indices[i] for i in verdict.reject])
                 self.best, self.verdict = None, None

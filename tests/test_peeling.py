@@ -47,6 +47,26 @@ def _client(b, width, depth=3, seed=0, init="default"):
     return view, problem, truth.inputs.detach(), dZ.detach(), Qt / Qt.norm(dim=0)
 
 
+def _pattern_sharing_pair(eps):
+    """Six random inputs with x1 = x0 + eps noise (one activation pattern for small eps): the
+    first layer's problem and the true dL/dZ (m, b)."""
+    from spear.fl import fully_connected
+
+    x = torch.randn(6, 784, dtype=torch.float64, generator=torch.Generator().manual_seed(11))
+    x[1] = x[0] + eps * torch.randn(784, dtype=torch.float64, generator=torch.Generator().manual_seed(12))
+    model = fully_connected(784, 200, 3, seed=11)
+    Z = model[0](x)
+    Z.retain_grad()
+    torch.nn.functional.cross_entropy(model[1:](Z), torch.arange(6)).backward()
+    grads = {n: p.grad.detach() for n, p in model.named_parameters()}
+    split = low_rank_split(grads["0.weight"])
+    problem = LayerProblem(
+        model[0].weight.detach(), model[0].bias.detach(), grads["0.bias"], split.L, split.R, "output",
+        grads["2.weight"], model[2].weight.detach(),
+    )  # fmt: skip
+    return problem, Z.grad.detach().T
+
+
 def _peeler(problem):
     return SamplePeeler(problem, RTOL, 1e-10)
 
@@ -303,22 +323,7 @@ def test_peeling_a_mixture_whose_kernel_is_one_dimensional_is_not_certified():
     # two samples sharing their activation pattern: a combination vanishing on their common
     # zeros plus one coincidental row has a one-dimensional kernel there (it passes step 1's
     # dimension check and steps 2-3, as -9.7 x0 + 10.7 x1 once did), but that row is essential
-    import spear
-
-    x = torch.randn(6, 784, dtype=torch.float64, generator=torch.Generator().manual_seed(11))
-    x[1] = x[0] + 1e-3 * torch.randn(784, dtype=torch.float64, generator=torch.Generator().manual_seed(12))
-    model = spear.fl.fully_connected(784, 200, 3, seed=11)
-    y = torch.tensor([0, 1, 2, 3, 4, 5])
-    Z = model[0](x)
-    Z.retain_grad()
-    torch.nn.functional.cross_entropy(model[1:](Z), y).backward()
-    grads = {n: p.grad.detach() for n, p in model.named_parameters()}
-    split = low_rank_split(grads["0.weight"])
-    problem = LayerProblem(
-        model[0].weight.detach(), model[0].bias.detach(), grads["0.bias"], split.L, split.R, "output",
-        grads["2.weight"], model[2].weight.detach(),
-    )  # fmt: skip
-    dZ = Z.grad.detach().T
+    problem, dZ = _pattern_sharing_pair(1e-3)
     zeros = dZ.abs() < 1e-14  # (m, b)
     common = zeros[:, 0] & zeros[:, 1]
     both = (~zeros[:, 0] & ~zeros[:, 1]).nonzero()[:, 0]  # rows where both samples are active
@@ -379,22 +384,8 @@ def test_peeling_refutes_wrong_directions_but_not_true_or_pattern_sharing_ones()
     late = peeler.peel(Qt[:, :4].T, masks, Deadline(0.0))
     assert not bool(late.refuted.any())
 
-    from spear.fl import fully_connected
-
-    x = torch.randn(6, 784, dtype=torch.float64, generator=torch.Generator().manual_seed(11))
-    x[1] = x[0] + 1e-6 * torch.randn(784, dtype=torch.float64, generator=torch.Generator().manual_seed(12))
-    model = fully_connected(784, 200, 3, seed=11)
-    Z = model[0](x)
-    Z.retain_grad()
-    torch.nn.functional.cross_entropy(model[1:](Z), torch.arange(6)).backward()
-    grads = {n: p.grad.detach() for n, p in model.named_parameters()}
-    split = low_rank_split(grads["0.weight"])
-    shared = LayerProblem(
-        model[0].weight.detach(), model[0].bias.detach(), grads["0.bias"], split.L, split.R, "output",
-        grads["2.weight"], model[2].weight.detach(),
-    )  # fmt: skip
-    dZ = Z.grad.detach().T  # (m, b)
+    shared, dZ = _pattern_sharing_pair(1e-6)
     assert torch.equal(dZ[:, 0] == 0, dZ[:, 1] == 0)  # one activation pattern
-    q = torch.linalg.lstsq(split.L, dZ[:, :1]).solution.T
+    q = torch.linalg.lstsq(shared.L, dZ[:, :1]).solution.T
     outcome = SamplePeeler(shared, RTOL, 1e-10).peel(q / q.norm(), zero_mask(dZ[:, :1].T, 1e-12))
     assert not bool(outcome.consistent[0]) and not bool(outcome.refuted[0])

@@ -16,9 +16,9 @@ from spear.metrics import match_samples
 from tests.conftest import assert_exact
 
 
-def attack(model, layer, dataset, b, seed):
+def attack(model, layer, dataset, b, seed, max_proposals=2_000_000):
     view, truth = simulate_fedsgd(model, dataset, b, seed=seed)
-    rec = spear.attack_layer(view.model, layer, view.gradients, seed=0, max_proposals=2_000_000)
+    rec = spear.attack_layer(view.model, layer, view.gradients, seed=0, max_proposals=max_proposals)
     return rec, layer_inputs(view.model, layer, truth.inputs), truth.labels
 
 
@@ -80,9 +80,7 @@ def test_float32_trained_hidden_layer_peels_to_the_end(mnist):
     # before (and 21 of 32 certified on the realism benchmark's 30 s)
     model = fully_connected(mnist.features, 500, 6, seed=0, dtype=torch.float32)
     pretrain(model, mnist, 200, seed=0)
-    view, truth = simulate_fedsgd(model, mnist, 32, seed=0)
-    rec = spear.attack_layer(view.model, "2", view.gradients, seed=0, max_proposals=700_000)
-    inputs, labels = layer_inputs(view.model, "2", truth.inputs), truth.labels
+    rec, inputs, labels = attack(model, "2", mnist, 32, seed=0, max_proposals=700_000)
     assert rec.verified, rec.message
     assert_exact(rec.inputs.to(inputs.dtype), inputs, rtol=1e-3)
     assert_labels(rec, inputs, labels)

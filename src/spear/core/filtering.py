@@ -294,6 +294,12 @@ def snap_and_filter(
     return SnapResult(canonical_sign(q), rows, rows.sum(dim=1), robust, certain_zero=certain)
 
 
+def sparsest_first(indices: torch.Tensor, zero_counts: torch.Tensor) -> torch.Tensor:
+    """``indices`` ordered by their ``zero_counts``, most zeros first (ties keep their order):
+    among mixtures and true columns, the true ones are the sparse ones."""
+    return indices[torch.sort(zero_counts[indices], descending=True, stable=True).indices]
+
+
 @dataclass
 class CandidatePool:
     """The deduplicated set C of exact candidate directions (Section 4.1, "Filtering Duplicates")."""
@@ -398,8 +404,7 @@ class CandidatePool:
         untrusted = (~self.trusted_mask).nonzero()[:, 0]
         if untrusted.numel() <= limit:
             return
-        order = torch.argsort(self.zero_counts[untrusted], descending=True, stable=True)
-        drop = untrusted[order[limit:]]
+        drop = sparsest_first(untrusted, self.zero_counts)[limit:]
         # refuted ones leave for good: found again, they would be peeled again
         gone = drop[self.refuted[drop]]
         self.rejected_masks = torch.cat([self.rejected_masks, self.zero_masks[gone]])

@@ -30,7 +30,7 @@ from spear.core.diagnosis import (
     no_sparsity_message,
     probe_sparse_directions,
 )
-from spear.core.filtering import CandidatePool, SnapResult, rounding_floor, zero_mask
+from spear.core.filtering import CandidatePool, SnapResult, rounding_floor, sparsest_first, zero_mask
 from spear.core.greedy import Selection, greedy_filter, score
 from spear.core.input_peeling import InputSidePeeler
 from spear.core.lowrank import LowRankSplit, low_rank_split
@@ -92,9 +92,8 @@ def worth_peeling(snapped: SnapResult) -> torch.Tensor:
     if snapped.robust is None:
         return every
     robust = snapped.robust.to(every.device)
-    others = every[~robust]
-    order = torch.sort(snapped.zero_counts[others].to(every.device), descending=True, stable=True).indices
-    return torch.cat([every[robust], others[order[:NONROBUST_PEEL_PER_STEP]]]).sort().values
+    others = sparsest_first(every[~robust], snapped.zero_counts.to(every.device))
+    return torch.cat([every[robust], others[:NONROBUST_PEEL_PER_STEP]]).sort().values
 
 
 def default_max_proposals(b: int) -> int:

@@ -389,3 +389,42 @@ def test_peeling_refutes_wrong_directions_but_not_true_or_pattern_sharing_ones()
     q = torch.linalg.lstsq(shared.L, dZ[:, :1]).solution.T
     outcome = SamplePeeler(shared, RTOL, 1e-10).peel(q / q.norm(), zero_mask(dZ[:, :1].T, 1e-12))
     assert not bool(outcome.consistent[0]) and not bool(outcome.refuted[0])
+
+
+def test_the_attack_maps_what_peeling_finds_back_to_the_directions_positions(monkeypatch):
+    # with the non-robust cap, peeling sees a subset of the snapped directions: what it
+    # certifies or refutes must land on those directions' own positions, and nowhere else
+    from spear.core import reconstruct
+    from spear.core.filtering import SnapResult
+
+    b = 16
+    view, _, _, dZ, _ = _client(b, 200)
+    g, first = view.gradients, view.model[0]
+    layer = reconstruct.LayerTensors(first.weight.detach(), first.bias.detach(), g["0.weight"], g["0.bias"])
+    setup = reconstruct.AttackSetup.build(
+        layer, reconstruct.AttackOptions(), torch.float64, g["2.weight"], view.model[2].weight.detach()
+    )
+    attack = reconstruct._Attack(setup, None)
+    L = setup.problem.sparse_factor
+    true = torch.linalg.lstsq(L, dZ.T[setup.live]).solution.T[:3]
+    gen = torch.Generator().manual_seed(5)
+    junk = torch.randn(5, b, dtype=torch.float64, generator=gen)
+    # positions 0..7: junk, true, junk, junk, true, junk, true, junk
+    at_true, at_junk = [1, 4, 6], [0, 2, 3, 5, 7]
+    directions = torch.empty(8, b, dtype=torch.float64)
+    directions[at_true], directions[at_junk] = true, junk
+    directions /= directions.norm(dim=1, keepdim=True)
+    masks = zero_mask(directions @ L.T, 1e-9)
+    masks[at_junk] = torch.rand(5, L.shape[0], generator=gen) < 0.5
+    counts = masks.sum(dim=1)
+    counts[at_junk] = torch.tensor([90, 120, 80, 110, 70])  # the two sparsest: positions 2 and 5
+    robust = torch.zeros(8, dtype=torch.bool)
+    robust[at_true] = True
+    monkeypatch.setattr(reconstruct, "NONROBUST_PEEL_PER_STEP", 2)
+    snapped = SnapResult(directions, masks, counts, robust)
+    assert reconstruct.worth_peeling(snapped).tolist() == [1, 2, 4, 5, 6]
+    samples = attack._peel(snapped)
+    assert snapped.certified.nonzero()[:, 0].tolist() == at_true
+    assert snapped.refuted.nonzero()[:, 0].tolist() == [2, 5]
+    assert len(samples) == 3
+    assert torch.allclose(samples.directions.abs(), directions[at_true].abs(), atol=1e-10)

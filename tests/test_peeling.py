@@ -391,6 +391,20 @@ def test_peeling_refutes_wrong_directions_but_not_true_or_pattern_sharing_ones()
     assert not bool(outcome.consistent[0]) and not bool(outcome.refuted[0])
 
 
+def _attack_on_client(b):
+    """The attack loop's state on the first layer of an MNIST client (before any step), and the
+    true dL/dZ (b, m)."""
+    from spear.core import reconstruct
+
+    view, _, _, dZ, _ = _client(b, 200)
+    g, first = view.gradients, view.model[0]
+    layer = reconstruct.LayerTensors(first.weight.detach(), first.bias.detach(), g["0.weight"], g["0.bias"])
+    setup = reconstruct.AttackSetup.build(
+        layer, reconstruct.AttackOptions(), torch.float64, g["2.weight"], view.model[2].weight.detach()
+    )
+    return reconstruct._Attack(setup, None), dZ
+
+
 def test_the_attack_maps_what_peeling_finds_back_to_the_directions_positions(monkeypatch):
     # with the non-robust cap, peeling sees a subset of the snapped directions: what it
     # certifies or refutes must land on those directions' own positions, and nowhere else
@@ -398,13 +412,8 @@ def test_the_attack_maps_what_peeling_finds_back_to_the_directions_positions(mon
     from spear.core.filtering import SnapResult
 
     b = 16
-    view, _, _, dZ, _ = _client(b, 200)
-    g, first = view.gradients, view.model[0]
-    layer = reconstruct.LayerTensors(first.weight.detach(), first.bias.detach(), g["0.weight"], g["0.bias"])
-    setup = reconstruct.AttackSetup.build(
-        layer, reconstruct.AttackOptions(), torch.float64, g["2.weight"], view.model[2].weight.detach()
-    )
-    attack = reconstruct._Attack(setup, None)
+    attack, dZ = _attack_on_client(b)
+    setup = attack.setup
     L = setup.problem.sparse_factor
     true = torch.linalg.lstsq(L, dZ.T[setup.live]).solution.T[:3]
     gen = torch.Generator().manual_seed(5)
@@ -428,3 +437,23 @@ def test_the_attack_maps_what_peeling_finds_back_to_the_directions_positions(mon
     assert snapped.refuted.nonzero()[:, 0].tolist() == [2, 5]
     assert len(samples) == 3
     assert torch.allclose(samples.directions.abs(), directions[at_true].abs(), atol=1e-10)
+
+
+def test_the_stall_probe_keeps_the_threshold_of_an_untrained_float64_layer():
+    # an untrained layer's columns are about half zeros, far above Section 4.1's threshold: a
+    # stalled search probes, finds them above it, and must not lower it (a lower threshold only
+    # lets more mixtures into the pool)
+    from spear.core import reconstruct
+    from spear.core.filtering import SnapResult
+
+    attack, _ = _attack_on_client(32)
+    setup = attack.setup
+    absorbed: list[SnapResult] = []
+    attack._absorb = absorbed.append
+    threshold = setup.threshold
+    attack.calls = reconstruct.STALL_CALLS  # no new direction since the start: a stall
+    attack._check_stall()
+    assert attack.adapted  # the probe ran (once)
+    assert setup.threshold == threshold and not attack.notes
+    (probed,) = absorbed
+    assert probed.zero_counts.numel() and bool((probed.zero_counts >= threshold).all())

@@ -56,3 +56,32 @@ def test_singleton_neurons_peel_samples_before_any_search():
     g = view.gradients
     alone = spear.reconstruct(layer.weight, layer.bias, g["0.weight"], g["0.bias"], max_proposals=1)
     assert alone.stats.certified == 0
+
+
+def test_dense_inputs_peel_through_the_layers_relu_and_a_discriminative_certificate(monkeypatch):
+    # photos have hardly a zero pixel, so no candidate input pins itself by its zeros. A neuron
+    # that one sample alone activates still hands over that sample exactly; its ReLU pattern
+    # pins its column, and the model certifies it (discriminatively: such samples are never
+    # robust). The cascade then runs as on MNIST
+    import spear.core.reconstruct as reconstruct
+
+    dataset = load_dataset("photos32")
+    model = shallow_mlp(dataset.features, seed=0)
+    view, truth = simulate_fedsgd(model, dataset, 32, seed=0, normalize=False)
+    assert float((truth.inputs == 0).double().mean()) < 0.1
+    rec = spear.attack_layer(view.model, "0", view.gradients, seed=0, max_proposals=1)  # the scan
+    assert rec.stats.certified >= 24
+    found = rec.certified_inputs
+    est, ref = match_samples(found, truth.inputs)
+    assert float((found[est] - truth.inputs[ref]).abs().max()) < 1e-6
+    assert torch.equal(rec.certified_labels[est], truth.labels[ref])
+    # the sparse candidates alone (the few darkest images) certify a third as many
+    candidates = reconstruct.singleton_candidates
+
+    def sparse_only(problem, peeled, zero_rtol, dense=False):
+        found = candidates(problem, peeled, zero_rtol, dense)
+        return found[:0] if dense else found
+
+    monkeypatch.setattr(reconstruct, "singleton_candidates", sparse_only)
+    alone = spear.attack_layer(view.model, "0", view.gradients, seed=0, max_proposals=1)
+    assert alone.stats.certified <= 12

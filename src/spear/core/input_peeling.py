@@ -53,18 +53,24 @@ class InputSidePeeler:
         z_rtol: pre-activations at most this times the largest |z| have no sign and are left
             out of both checks.
         zero_rtol: entries of ``L q`` at most this times its largest count as zero.
+        pin_inputs: require the input's own zeros to pin it (step 1). Without (candidates of
+            dense inputs, :func:`spear.core.singletons.singleton_candidates`), steps 2-3 still
+            apply, but no sample is robust: only a discriminative model certificate counts it.
     """
 
     #: the layer alone cannot certify these samples (see the module doc)
     needs_model = True
 
-    def __init__(self, problem: LayerProblem, rtol: float, z_rtol: float, zero_rtol: float) -> None:
+    def __init__(
+        self, problem: LayerProblem, rtol: float, z_rtol: float, zero_rtol: float, pin_inputs: bool = True
+    ) -> None:
         if problem.mode != "input":
             raise ValueError("InputSidePeeler needs a problem in input-sparsity mode")
         self.problem = problem
         self.rtol = rtol
         self.z_rtol = z_rtol
         self.zero_rtol = zero_rtol
+        self.pin_inputs = pin_inputs
 
     @property
     def usable(self) -> bool:
@@ -110,10 +116,6 @@ class InputSidePeeler:
         signless = z.abs() <= self.z_rtol * z.abs().amax(dim=1, keepdim=True)
         inactive = (z < 0) & ~signless
         active = (z > 0) & ~signless
-        # the input's own zeros must pin p (a mixture of samples vanishes only where all do,
-        # and there its kernel holds all of them)
-        own_zeros = zero_mask(x, self.zero_rtol)
-        pinned, firm_input, _ = _kernel(problem.R.T, own_zeros, self.rtol)
         one_dim, firm, q = _kernel(L, inactive, self.rtol)  # q: (k, b) the column's direction
         column = q @ L.T  # (k, m)
         nonzero = ~zero_mask(column, self.zero_rtol)
@@ -121,10 +123,17 @@ class InputSidePeeler:
         pattern = ~(active & ~nonzero).any(dim=1) & ~(inactive & nonzero).any(dim=1)
         qr = (q * r).sum(dim=1)
         u = q / torch.where(qr.abs() > tiny, qr, torch.ones_like(qr)).unsqueeze(-1)
-        enough = (inactive.sum(dim=1) >= b) & (own_zeros.sum(dim=1) >= b - 1)
+        enough = inactive.sum(dim=1) >= b
         dual = qr.abs() > self.rtol * q.norm(dim=1) * r.norm(dim=1)  # u_j must exist
-        ok = scaled & nonnegative & enough & pinned & one_dim & pattern & dual
+        ok = scaled & nonnegative & enough & one_dim & pattern & dual
         ok &= torch.isfinite(u).all(dim=1) & torch.isfinite(r).all(dim=1)
+        if not self.pin_inputs:  # checked on the output side only: never robust
+            return ok, torch.zeros_like(ok), r, u
+        # the input's own zeros must pin p (a mixture of samples vanishes only where all do,
+        # and there its kernel holds all of them)
+        own_zeros = zero_mask(x, self.zero_rtol)
+        pinned, firm_input, _ = _kernel(problem.R.T, own_zeros, self.rtol)
+        ok &= pinned & (own_zeros.sum(dim=1) >= b - 1)
         return ok, ok & firm & firm_input, r, u
 
 

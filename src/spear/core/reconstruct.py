@@ -504,19 +504,17 @@ class _Attack:
     def _scan_singletons(self) -> None:
         """The LT cascade (:mod:`spear.core.singletons`): candidate inputs from the rows of the
         gradient without the peeled samples, completed through this layer's ReLU; a sample
-        counts only when the model certifies it. Repeats while it peels samples."""
+        counts only when the model certifies it. Repeats while it peels samples.
+
+        Candidates with b - 1 zero features pin themselves (the input-side check). Once those
+        give nothing new, the dense ones (inputs such as photos, with hardly a zero pixel) are
+        checked through the layer's ReLU alone, and count only with a discriminative model
+        certificate."""
         s = self.setup
         while self.singleton_peeler is not None and len(self.peeled) < s.b and not s.deadline.passed():
-            candidates = singleton_candidates(s.problem, self.peeled, s.tol.zero_rtol)
-            if not candidates.shape[0]:
-                return
-            outcome = self.singleton_peeler.peel(candidates, None, s.deadline)
-            samples = outcome.samples
+            samples = self._singleton_round(pin_inputs=True)
             if not len(samples):
-                return
-            accept = self._certify_samples(samples, outcome.robust[outcome.consistent] & self.resolvable)
-            samples = as_output_samples(samples.select(accept))
-            samples = samples.select(mutually_consistent(self.peeled, samples, s.tol.verify_rtol))
+                samples = self._singleton_round(pin_inputs=False)
             if not len(samples):
                 return
             values = (s.problem.L @ samples.directions.T).T
@@ -530,6 +528,23 @@ class _Attack:
             self.search.update(self.pool, self.peeled, True, len(samples))
             if len(self.pool) >= s.b:
                 self._select()
+
+    def _singleton_round(self, pin_inputs: bool) -> PeeledSamples:
+        """The certified samples of one scan of the sparse (``pin_inputs``) or dense candidates."""
+        s, peeler = self.setup, self.singleton_peeler
+        assert peeler is not None
+        nothing = self.peeled.select(torch.zeros(len(self.peeled), dtype=torch.bool))
+        candidates = singleton_candidates(s.problem, self.peeled, s.tol.zero_rtol, dense=not pin_inputs)
+        if not candidates.shape[0] or s.deadline.passed():
+            return nothing
+        peeler.pin_inputs = pin_inputs
+        outcome = peeler.peel(candidates, None, s.deadline)
+        samples = outcome.samples
+        if not len(samples):
+            return nothing
+        accept = self._certify_samples(samples, outcome.robust[outcome.consistent] & self.resolvable)
+        samples = as_output_samples(samples.select(accept))
+        return samples.select(mutually_consistent(self.peeled, samples, s.tol.verify_rtol))
 
     def _single(self, weights: torch.Tensor, ok: torch.Tensor, sample_rtol: torch.Tensor) -> torch.Tensor:
         """Which loss weights are one sample's: equal (within each weight's precision, from the

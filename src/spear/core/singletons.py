@@ -29,12 +29,18 @@ from spear.core.scale import LayerProblem
 SAME_INPUT_COS = 1.0 - 1e-9
 #: at most this many distinct candidates are completed per scan (the sparsest first)
 MAX_CANDIDATES = 256
+#: the same for dense inputs (no b - 1 zero features to rank by): singleton rows are a few
+#: percent of the rows, so a scan takes every row it can (each costs an SVD of m x b)
+MAX_DENSE_CANDIDATES = 1024
 
 
-def singleton_candidates(problem: LayerProblem, peeled: PeeledSamples, zero_rtol: float) -> torch.Tensor:
+def singleton_candidates(
+    problem: LayerProblem, peeled: PeeledSamples, zero_rtol: float, dense: bool = False
+) -> torch.Tensor:
     """Unit coefficient vectors (k, b) of the candidate inputs ``row_i / (dL/db)_i`` of the
     gradient without the peeled samples: nonnegative (up to ``zero_rtol``), with at least b - 1
-    zero features, deduplicated, sparsest first."""
+    zero features (with ``dense``, the others: inputs such as photos, with hardly a zero pixel,
+    cannot pin themselves), deduplicated, sparsest first."""
     L, R = problem.L, problem.R
     b = L.shape[1]
     rows, grad_bias = L, problem.grad_bias
@@ -48,7 +54,8 @@ def singleton_candidates(problem: LayerProblem, peeled: PeeledSamples, zero_rtol
     x = r @ R
     size = x.abs().amax(dim=1, keepdim=True).clamp_min(torch.finfo(L.dtype).tiny)
     zeros = zero_mask(x, zero_rtol).sum(dim=1)
-    keep = (x.amin(dim=1, keepdim=True) >= -zero_rtol * size)[:, 0] & (zeros >= b - 1)
+    pins_itself = zeros >= b - 1
+    keep = (x.amin(dim=1, keepdim=True) >= -zero_rtol * size)[:, 0] & (~pins_itself if dense else pins_itself)
     r, zeros = r[keep], zeros[keep]
     if len(peeled):  # rows of already peeled samples
         known = peeled.coefficients / peeled.coefficients.norm(dim=1, keepdim=True)
@@ -57,12 +64,13 @@ def singleton_candidates(problem: LayerProblem, peeled: PeeledSamples, zero_rtol
         r, zeros = r[fresh], zeros[fresh]
     order = torch.argsort(zeros, descending=True, stable=True)
     unit = r[order] / r[order].norm(dim=1, keepdim=True)
+    cap = MAX_DENSE_CANDIDATES if dense else MAX_CANDIDATES
     chosen: list[int] = []
     for i in range(unit.shape[0]):
         if chosen and float((unit[chosen] @ unit[i]).abs().max()) >= SAME_INPUT_COS:
             continue
         chosen.append(i)
-        if len(chosen) == MAX_CANDIDATES:
+        if len(chosen) == cap:
             break
     return unit[chosen]
 

@@ -46,6 +46,7 @@ from dataclasses import dataclass
 
 import torch
 
+from spear.core.deadline import NEVER, Deadline
 from spear.core.proposers.base import (
     DirectionProposer,
     ProposalBatch,
@@ -248,12 +249,18 @@ def row_guesses(ctx: ProposalContext) -> torch.Tensor:
 
 
 def explain_away(
-    columns: torch.Tensor, known: torch.Tensor, chunk: int = 8, rtol: float = RATIO_RTOL
-) -> torch.Tensor:
+    columns: torch.Tensor,
+    known: torch.Tensor,
+    chunk: int = 8,
+    rtol: float = RATIO_RTOL,
+    deadline: Deadline = NEVER,
+) -> torch.Tensor | None:
     """Feature columns (n, m) minus the found columns of dL/dZ (f, m) each one contains,
     detected by a run of ``MIN_RUN`` equal ratios (module doc). Each component is read off the
     rows where its sample alone is active, which the others leave untouched, so they can be
-    removed together, and columns explained before by other found directions are fine."""
+    removed together, and columns explained before by other found directions are fine.
+    None when ``deadline`` passes first (thousands of photo pixels against a hundred found
+    columns take many seconds)."""
     if known.shape[0] == 0 or columns.shape[0] == 0:
         return columns
     f, m = known.shape
@@ -262,6 +269,8 @@ def explain_away(
     denominators = torch.where(known.abs() > tiny, known, nan)
     parts = []
     for v in columns.split(chunk):
+        if deadline.passed():
+            return None
         c = v.shape[0]
         ratio = torch.where(v.abs()[:, None, :] > tiny, v[:, None, :] / denominators, nan)
         values = ratio.reshape(c * f, m).sort(dim=1).values  # NaNs last
@@ -416,10 +425,13 @@ class MaskedSubspaceProposer(DirectionProposer):
         found = ctx.found.to(ctx.L.dtype)
         if found.shape[0] > self.explained:
             known = found[self.explained :] @ ctx.L.T
-            self.explained = found.shape[0]
             rtol = max(RATIO_RTOL, RATIO_ZERO_SHARE * ctx.zero_rtol)
             before = self.columns
-            self.columns = explain_away(before, known / known.abs().amax(dim=1, keepdim=True), rtol=rtol)
+            unit = known / known.abs().amax(dim=1, keepdim=True)
+            after = explain_away(before, unit, rtol=rtol, deadline=ctx.deadline)
+            if after is None:  # out of time: the run ends, nothing half-explained is kept
+                return
+            self.columns, self.explained = after, found.shape[0]
             changed = (self.columns != before).any(dim=1)
             hints, column = column_guesses(self.columns[changed], ctx.zero_rtol, ctx.threshold_count)
             self.hints = torch.cat([self.hints, hints])

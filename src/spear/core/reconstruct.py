@@ -512,8 +512,10 @@ class _Attack:
         certificate."""
         s = self.setup
         while self.singleton_peeler is not None and len(self.peeled) < s.b and not s.deadline.passed():
+            pinned = True
             samples = self._singleton_round(pin_inputs=True)
             if not len(samples):
+                pinned = False
                 samples = self._singleton_round(pin_inputs=False)
             if not len(samples):
                 return
@@ -522,8 +524,11 @@ class _Attack:
                 values, s.tol.zero_rtol, rounding_floor(samples.directions, s.rounding, values.shape[1])
             )
             certain = zero_mask(values, s.tol.zero_floor)
-            flags = torch.ones(len(samples), dtype=torch.bool, device=masks.device)
-            self.pool.add(SnapResult(samples.directions, masks, masks.sum(dim=1), flags, flags, certain))
+            certified = torch.ones(len(samples), dtype=torch.bool, device=masks.device)
+            # a dense candidate's zero set is not known to pin it: the verdict must not take its
+            # column as pinned once its certificate no longer applies (re-assembled otherwise)
+            robust = certified if pinned else ~certified
+            self.pool.add(SnapResult(samples.directions, masks, masks.sum(dim=1), robust, certified, certain))
             self.peeled.extend(samples)
             self.search.update(self.pool, self.peeled, True, len(samples))
             if len(self.pool) >= s.b:
@@ -533,7 +538,8 @@ class _Attack:
         """The certified samples of one scan of the sparse (``pin_inputs``) or dense candidates."""
         s, peeler = self.setup, self.singleton_peeler
         assert peeler is not None
-        nothing = self.peeled.select(torch.zeros(len(self.peeled), dtype=torch.bool))
+        device = self.peeled.directions.device
+        nothing = self.peeled.select(torch.zeros(len(self.peeled), dtype=torch.bool, device=device))
         candidates = singleton_candidates(s.problem, self.peeled, s.tol.zero_rtol, dense=not pin_inputs)
         if not candidates.shape[0] or s.deadline.passed():
             return nothing

@@ -480,7 +480,7 @@ class MaskedSubspaceProposer(DirectionProposer):
         hints, confirmed = hints[enough], confirmed[enough]
         directions = torch.zeros(hints.shape[0], b, dtype=ctx.L.dtype, device=ctx.L.device)
         # a call that had nothing to search or emit: nothing is left (auto moves on instead)
-        spent = not count and hints.shape[0] == 0
+        spent = not count and hints.shape[0] == 0 and not ctx.deadline.passed()
         return ProposalBatch(
             directions, n_drawn=max(1, count), zero_hint=hints, exhausted=spent, confirmed=confirmed
         )

@@ -14,8 +14,8 @@ and scikit-learn ship, a stand-in for their CIFAR-10, which cannot be downloaded
 are shown beside the CIFAR-10 numbers, labelled as such). The JSON is rewritten after every
 cell, so an interrupted run keeps what it measured.
 
-The README's run, the default (b = 16 to 256, 5 seeds, 240 s per attack; about 50 minutes on 2
-cores, nothing else running):
+The README's run, the default (b = 16 to 256, 5 seeds, 240 s per attack; about an hour on 2 cores,
+nothing else running):
     python benchmarks/bench_passive.py
 b = 512 (each attack runs to its budget today):
     python benchmarks/bench_passive.py --datasets mnist --batch-sizes 512 --seeds 5 --budget 240

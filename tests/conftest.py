@@ -114,3 +114,17 @@ class TrueColumns(DirectionProposer):
 @pytest.fixture
 def client_factory():
     return make_client
+
+
+def without_dense_singletons(monkeypatch) -> None:
+    """Leave the singleton cascade its self-pinning candidates only (no dense-input route,
+    :func:`spear.core.singletons.singleton_candidates`)."""
+    import spear.core.reconstruct as reconstruct
+
+    candidates = reconstruct.singleton_candidates
+
+    def sparse_only(problem, peeled, zero_rtol, dense=False):
+        found = candidates(problem, peeled, zero_rtol, dense)
+        return found[:0] if dense else found
+
+    monkeypatch.setattr(reconstruct, "singleton_candidates", sparse_only)

@@ -22,7 +22,7 @@ from spear.data import load_dataset
 from spear.errors import InputError
 from spear.fl import feature_layer, layer_inputs, shallow_mlp, simulate_fedsgd, small_cnn
 from spear.metrics import match_samples
-from tests.conftest import assert_exact, make_client
+from tests.conftest import assert_exact, make_client, without_dense_singletons
 
 DONE = RATIO_FLOOR  # the search's convergence level for float64 gradients
 
@@ -223,15 +223,6 @@ def test_auto_does_not_stop_when_one_of_its_proposers_runs_dry(case):
     assert not auto.propose(context(problem), 100).exhausted
 
 
-_singleton_round = _Attack._singleton_round
-
-
-def _sparse_round(attack, pin_inputs):
-    """One singleton scan of the candidates that pin themselves only."""
-    nothing = attack.peeled.select(torch.zeros(len(attack.peeled), dtype=torch.bool))
-    return _singleton_round(attack, True) if pin_inputs else nothing
-
-
 def test_confirmed_patterns_count_below_the_sparsity_threshold(monkeypatch):
     """A float32 CNN feature layer (untrained, b = 64): three samples' columns have 174-183
     zeros, under Section 4.1's threshold of 184 for 460 live rows. The subspace proposer's
@@ -254,7 +245,7 @@ def test_confirmed_patterns_count_below_the_sparsity_threshold(monkeypatch):
     monkeypatch.setattr(MaskedSubspaceProposer, "propose", unconfirmed)
     monkeypatch.setattr(_Attack, "_adapt_threshold", lambda self, *args: None)
     # nor do dense singleton candidates (spear.core.singletons), which would give them too
-    monkeypatch.setattr(_Attack, "_singleton_round", lambda self, pin_inputs: _sparse_round(self, pin_inputs))
+    without_dense_singletons(monkeypatch)
     held = spear.attack_layer(view.model, layer, view.gradients, seed=0, max_proposals=20_000)
     if held.stats.candidates >= 64:
         # seen on one CPU (MKL's float32 arithmetic differs by CPU): the control finds every

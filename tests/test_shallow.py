@@ -9,7 +9,7 @@ from spear.data import load_dataset
 from spear.errors import InputError
 from spear.fl import shallow_mlp, simulate_fedsgd
 from spear.metrics import match_samples
-from tests.conftest import assert_exact
+from tests.conftest import assert_exact, without_dense_singletons
 
 
 def test_shallow_mlp_is_the_papers_setting():
@@ -63,8 +63,6 @@ def test_dense_inputs_peel_through_the_layers_relu_and_a_discriminative_certific
     # that one sample alone activates still hands over that sample exactly; its ReLU pattern
     # pins its column, and the model certifies it (discriminatively: such samples are never
     # robust). The cascade then runs as on MNIST
-    import spear.core.reconstruct as reconstruct
-
     dataset = load_dataset("photos32")
     model = shallow_mlp(dataset.features, seed=0)
     view, truth = simulate_fedsgd(model, dataset, 32, seed=0, normalize=False)
@@ -76,12 +74,6 @@ def test_dense_inputs_peel_through_the_layers_relu_and_a_discriminative_certific
     assert float((found[est] - truth.inputs[ref]).abs().max()) < 1e-6
     assert torch.equal(rec.certified_labels[est], truth.labels[ref])
     # the sparse candidates alone (the few darkest images) certify a third as many
-    candidates = reconstruct.singleton_candidates
-
-    def sparse_only(problem, peeled, zero_rtol, dense=False):
-        found = candidates(problem, peeled, zero_rtol, dense)
-        return found[:0] if dense else found
-
-    monkeypatch.setattr(reconstruct, "singleton_candidates", sparse_only)
+    without_dense_singletons(monkeypatch)
     alone = spear.attack_layer(view.model, "0", view.gradients, seed=0, max_proposals=1)
     assert alone.stats.certified <= 12

@@ -514,10 +514,10 @@ class _Attack:
         while self.singleton_peeler is not None and len(self.peeled) < s.b and not s.deadline.passed():
             pinned = True
             samples = self._singleton_round(pin_inputs=True)
-            if not len(samples):
+            if samples is None:
                 pinned = False
                 samples = self._singleton_round(pin_inputs=False)
-            if not len(samples):
+            if samples is None:
                 return
             values = (s.problem.L @ samples.directions.T).T
             masks = zero_mask(
@@ -534,23 +534,23 @@ class _Attack:
             if len(self.pool) >= s.b:
                 self._select()
 
-    def _singleton_round(self, pin_inputs: bool) -> PeeledSamples:
-        """The certified samples of one scan of the sparse (``pin_inputs``) or dense candidates."""
+    def _singleton_round(self, pin_inputs: bool) -> PeeledSamples | None:
+        """The certified samples of one scan of the sparse (``pin_inputs``) or dense candidates;
+        None when it certifies none."""
         s, peeler = self.setup, self.singleton_peeler
         assert peeler is not None
-        device = self.peeled.directions.device
-        nothing = self.peeled.select(torch.zeros(len(self.peeled), dtype=torch.bool, device=device))
         candidates = singleton_candidates(s.problem, self.peeled, s.tol.zero_rtol, dense=not pin_inputs)
         if not candidates.shape[0] or s.deadline.passed():
-            return nothing
+            return None
         peeler.pin_inputs = pin_inputs
         outcome = peeler.peel(candidates, None, s.deadline)
         samples = outcome.samples
         if not len(samples):
-            return nothing
+            return None
         accept = self._certify_samples(samples, outcome.robust[outcome.consistent] & self.resolvable)
         samples = as_output_samples(samples.select(accept))
-        return samples.select(mutually_consistent(self.peeled, samples, s.tol.verify_rtol))
+        samples = samples.select(mutually_consistent(self.peeled, samples, s.tol.verify_rtol))
+        return samples if len(samples) else None
 
     def _single(self, weights: torch.Tensor, ok: torch.Tensor, sample_rtol: torch.Tensor) -> torch.Tensor:
         """Which loss weights are one sample's: equal (within each weight's precision, from the

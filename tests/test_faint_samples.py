@@ -3,6 +3,8 @@ their own precision, about ``noise / s_b`` of their column (``spear.core.consist
 rounding_map``): their true zeros then sit far above ``zero_rtol``, and their loss weights and
 misfits far above the verification tolerance. Each column is judged at its own precision."""
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -135,3 +137,26 @@ def test_sample_tolerances_follow_the_precision_up_to_a_cap():
     # where verify_rtol is looser already (float32: 1e-3), nothing changes
     assert sample_tolerances(q, L, rounding, 1e-3).tolist() == pytest.approx([1e-3] * 3)
     assert sample_tolerances(q, L, None, 1e-8).tolist() == pytest.approx([1e-8] * 3)
+
+
+def test_a_loss_weight_off_by_more_than_the_misfit_tolerance_is_not_verified():
+    """A weight ``(1 + delta) / B`` scales the sample's column by ``1 + delta`` and its input by
+    about ``1 / (1 + delta)``: measured on one CPU, float32, a trained MLP's sample had misfit
+    4.4e-4 (under float32's 1e-3) with weight 1.0077 / 32, and its input was 1.4e-3 off. The
+    weights are read at the misfit tolerance itself, not ten times it."""
+    from spear.core.certificate import SampleCertificates
+    from spear.core.verdict import WEIGHT_PRECISION, _judge_by_model
+
+    def verdict_for(delta: float) -> bool:
+        b, rtol = 32, 1e-3  # float32's verification tolerance
+        weights = torch.full((b,), 1.0 / b, dtype=torch.float64)
+        weights[19] *= 1 + delta
+        ok = torch.ones(b, dtype=torch.bool)
+        cert = SampleCertificates(ok, torch.zeros(b, dtype=torch.long), weights, torch.full((b,), 4.4e-4))
+        verdict = SimpleNamespace(problems=[], notes=[], reject=[], reduction=None, verified_by=None)
+        precision = WEIGHT_PRECISION * torch.full((b,), rtol, dtype=torch.float64)
+        _judge_by_model(verdict, cert, torch.zeros(b, dtype=torch.bool), precision, gate_trusted=True)
+        return verdict.verified_by == "model"
+
+    assert verdict_for(5e-4)  # within the tolerance: one sample's weight
+    assert not verdict_for(7.7e-3)  # the measured case

@@ -128,3 +128,16 @@ def without_dense_singletons(monkeypatch) -> None:
         return found[:0] if dense else found
 
     monkeypatch.setattr(reconstruct, "singleton_candidates", sparse_only)
+
+
+def without_singletons(monkeypatch) -> None:
+    """Switch the singleton cascade off (:mod:`spear.core.singletons`): it finds columns from
+    neurons active for one sample, whatever their zero count."""
+    import spear.core.reconstruct as reconstruct
+
+    candidates = reconstruct.singleton_candidates
+
+    def none(problem, peeled, zero_rtol, dense=False):
+        return candidates(problem, peeled, zero_rtol, dense)[:0]
+
+    monkeypatch.setattr(reconstruct, "singleton_candidates", none)

@@ -457,3 +457,24 @@ def test_the_stall_probe_keeps_the_threshold_of_an_untrained_float64_layer():
     assert setup.threshold == threshold and not attack.notes
     (probed,) = absorbed
     assert probed.zero_counts.numel() and bool((probed.zero_counts >= threshold).all())
+
+
+def test_singleton_samples_enter_the_pool_robust_only_where_their_zero_set_pins_them():
+    # the singleton cascade certifies a sample through its input or the model; its column's
+    # zero set, which the verdict counts as a pin, is judged as any snapped direction's. A
+    # direction whose column is a mixture of two samples has a two-dimensional kernel there
+    from spear.core.peeling import PeeledSamples
+
+    b = 16
+    attack, dZ = _attack_on_client(b)
+    setup = attack.setup
+    L = setup.problem.sparse_factor
+    true = torch.linalg.lstsq(L, dZ.T[setup.live]).solution.T[:4]
+    directions = torch.cat([true, true[:2].sum(dim=0, keepdim=True)])
+    directions /= directions.norm(dim=1, keepdim=True)
+    zeros = torch.zeros_like(directions)
+    samples = PeeledSamples(directions, zeros, torch.zeros(5, setup.layer.weight.shape[1]), zeros)
+    entries = attack._singleton_entries(samples)
+    assert entries.robust.tolist() == [True, True, True, True, False]
+    assert bool(entries.certified.all())
+    assert torch.equal(entries.zero_counts, entries.zero_masks.sum(dim=1))

@@ -30,7 +30,14 @@ from spear.core.diagnosis import (
     no_sparsity_message,
     probe_sparse_directions,
 )
-from spear.core.filtering import CandidatePool, SnapResult, rounding_floor, sparsest_first, zero_mask
+from spear.core.filtering import (
+    CandidatePool,
+    SnapResult,
+    kernel_of_rows,
+    rounding_floor,
+    sparsest_first,
+    zero_mask,
+)
 from spear.core.greedy import Selection, greedy_filter, score
 from spear.core.input_peeling import InputSidePeeler
 from spear.core.lowrank import LowRankSplit, low_rank_split
@@ -363,11 +370,15 @@ class _Attack:
         )
         self.gate = ModelGate(certifier)
         #: the LT cascade, where nothing else peels and the model can certify (output sparsity)
-        self.singleton_peeler = None
+        #: (by ``pin_inputs``: the self-pinning candidates' peeler, and the dense candidates')
+        self.singleton_peelers: dict[bool, InputSidePeeler] | None = None
         if opts.peel and opts.sparsity == "output" and self.peeler is None and self.gate.active:
-            tol = setup.tol
-            own = InputSidePeeler(as_input_problem(setup.problem), tol.verify_rtol, tol.z_rtol, tol.zero_rtol)
-            self.singleton_peeler = own if own.usable else None
+            tol, problem = setup.tol, as_input_problem(setup.problem)
+            peelers = {
+                pin: InputSidePeeler(problem, tol.verify_rtol, tol.z_rtol, tol.zero_rtol, pin_inputs=pin)
+                for pin in (True, False)
+            }
+            self.singleton_peelers = peelers if peelers[True].usable else None
         root = ProposalContext(
             L=factor,
             batch_size=setup.b,
@@ -511,39 +522,45 @@ class _Attack:
         checked through the layer's ReLU alone, and count only with a discriminative model
         certificate."""
         s = self.setup
-        while self.singleton_peeler is not None and len(self.peeled) < s.b and not s.deadline.passed():
-            pinned = True
+        while self.singleton_peelers is not None and len(self.peeled) < s.b and not s.deadline.passed():
             samples = self._singleton_round(pin_inputs=True)
             if samples is None:
-                pinned = False
                 samples = self._singleton_round(pin_inputs=False)
             if samples is None:
                 return
-            values = (s.problem.L @ samples.directions.T).T
-            masks = zero_mask(
-                values, s.tol.zero_rtol, rounding_floor(samples.directions, s.rounding, values.shape[1])
-            )
-            certain = zero_mask(values, s.tol.zero_floor)
-            certified = torch.ones(len(samples), dtype=torch.bool, device=masks.device)
-            # a dense candidate's zero set is not known to pin it: the verdict must not take its
-            # column as pinned once its certificate no longer applies (re-assembled otherwise)
-            robust = certified if pinned else ~certified
-            self.pool.add(SnapResult(samples.directions, masks, masks.sum(dim=1), robust, certified, certain))
+            self.pool.add(self._singleton_entries(samples))
             self.peeled.extend(samples)
             self.search.update(self.pool, self.peeled, True, len(samples))
             if len(self.pool) >= s.b:
                 self._select()
 
+    def _singleton_entries(self, samples: PeeledSamples) -> SnapResult:
+        """The pool's entries for samples the singleton cascade certified: their columns' zero
+        sets, robust where that zero set pins the column on its own as for any snapped
+        direction (a one-dimensional kernel, no essential row, and the kernel is the column's
+        direction). How the sample was found (its input's own zeros, or a model certificate
+        alone) says nothing about its column's zero set, which the verdict counts as a pin."""
+        s = self.setup
+        q = samples.directions
+        values = (s.problem.L @ q.T).T
+        masks = zero_mask(values, s.tol.zero_rtol, rounding_floor(q, s.rounding, values.shape[1]))
+        certain = zero_mask(values, s.tol.zero_floor)
+        kernel, one_dim, robust = kernel_of_rows(s.problem.L, masks, s.deadline)
+        kernel = kernel.to(q) * torch.sign((kernel.to(q) * q).sum(dim=1, keepdim=True))
+        same = (kernel - q).norm(dim=1) <= s.tol.verify_rtol  # an angle within the tolerance
+        robust = one_dim & robust & same
+        certified = torch.ones(len(samples), dtype=torch.bool, device=masks.device)
+        return SnapResult(q, masks, masks.sum(dim=1), robust, certified, certain)
+
     def _singleton_round(self, pin_inputs: bool) -> PeeledSamples | None:
         """The certified samples of one scan of the sparse (``pin_inputs``) or dense candidates;
         None when it certifies none."""
-        s, peeler = self.setup, self.singleton_peeler
-        assert peeler is not None
+        s = self.setup
+        assert self.singleton_peelers is not None
         candidates = singleton_candidates(s.problem, self.peeled, s.tol.zero_rtol, dense=not pin_inputs)
         if not candidates.shape[0] or s.deadline.passed():
             return None
-        peeler.pin_inputs = pin_inputs
-        outcome = peeler.peel(candidates, None, s.deadline)
+        outcome = self.singleton_peelers[pin_inputs].peel(candidates, None, s.deadline)
         samples = outcome.samples
         if not len(samples):
             return None

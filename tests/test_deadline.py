@@ -98,3 +98,8 @@ def test_kernels_of_zero_sets_stop_at_the_deadline():
     snapped = snap_and_filter(problem.L, Qt.T, masks, 100, 1e-9, deadline=PASSED)
     assert snapped.directions.shape[0] == 0
     assert snap_and_filter(problem.L, Qt.T, masks, 100, 1e-9).directions.shape[0] == 40
+    # the first kernel of hints with more than b - 1 rows (one eigh per hint) stops too
+    from spear.core.filtering import _first_kernel
+
+    assert bool(torch.isfinite(_first_kernel(problem.L, masks, 8)).all())
+    assert bool(torch.isnan(_first_kernel(problem.L, masks, 8, PASSED)).all())

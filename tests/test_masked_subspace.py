@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import spear
+from spear.core.deadline import Deadline
 from spear.core.proposers import MaskedSubspaceProposer, ProposalContext
 from spear.core.proposers.masked_subspace import (
     RATIO_FLOOR,
@@ -96,6 +97,9 @@ def test_pattern_search_finds_exact_patterns_from_a_sixth_of_their_rows_wrong(ca
     masks, ratio, _ = search.descend(start, sweeps=30, flips=400, done=DONE)
     exact = (masks == patterns).all(dim=1)
     assert int(exact.sum()) >= 60 and bool((ratio[exact] < DONE).all())
+    # past the attack's deadline no sweep starts: nothing moves, nothing converges
+    late, late_ratio, _ = search.descend(start, sweeps=30, flips=400, done=DONE, deadline=Deadline(0.0))
+    assert torch.equal(late, start) and not bool((late_ratio < DONE).any())
     # a pattern that is no sample's is never converged: wrong rows cost their values squared
     _, _, wrong = search.fit(flipped(patterns, 0.02, seed=1))
     assert float(wrong.min()) > 1e3 * DONE

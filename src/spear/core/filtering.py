@@ -127,17 +127,22 @@ def _kernel_of_exact_subsets(L: torch.Tensor, rows: torch.Tensor) -> torch.Tenso
     return q / q.norm(dim=1, keepdim=True)
 
 
-def _first_kernel(L: torch.Tensor, rows: torch.Tensor, chunk: int) -> torch.Tensor:
+def _first_kernel(
+    L: torch.Tensor, rows: torch.Tensor, chunk: int, deadline: Deadline = NEVER
+) -> torch.Tensor:
     """Kernel directions of the hinted rows: LU for (b-1)-row hints, the smallest eigenvector of
-    ``L_A^T L_A`` for larger ones (refined exactly later), in memory-bounded chunks."""
+    ``L_A^T L_A`` for larger ones (refined exactly later), in memory-bounded chunks; past
+    ``deadline`` the chunks left are not solved (NaN, which the zero count drops)."""
     b = L.shape[1]
-    out = torch.empty(rows.shape[0], b, dtype=L.dtype, device=L.device)
+    out = torch.full((rows.shape[0], b), torch.nan, dtype=L.dtype, device=L.device)
     counts = rows.sum(dim=1)
     exact = counts == b - 1
     if bool(exact.any()):
         out[exact] = _kernel_of_exact_subsets(L, rows[exact])
     rest = (~exact).nonzero()[:, 0]
     for part in rest.split(chunk):
+        if deadline.passed():
+            break
         gram = torch.einsum("mi,km,mj->kij", L, rows[part].to(L.dtype), L)
         _, vecs = torch.linalg.eigh(gram)
         out[part] = vecs[:, :, 0]
@@ -269,7 +274,7 @@ def snap_and_filter(
             threshold_count = threshold_count.to(enough.device)[enough]
     if rows.shape[0]:
         chunk = max(1, SNAP_CHUNK_ELEMENTS // (L.shape[0] * b))
-        q = torch.cat([q, _first_kernel(L, rows, chunk)])
+        q = torch.cat([q, _first_kernel(L, rows, chunk, deadline)])
     if q.shape[0] == 0:
         return empty
     rows = zero_mask(q @ L.T, zero_rtol, rounding_floor(q, rounding, L.shape[0]))

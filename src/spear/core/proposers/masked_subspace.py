@@ -156,16 +156,19 @@ class PatternSearch:
         return search, delta[:, :, 0], values[:, 0].clamp_min(0.0)
 
     def descend(
-        self, masks: torch.Tensor, sweeps: int, flips: int, done: float
+        self, masks: torch.Tensor, sweeps: int, flips: int, done: float, deadline: Deadline = NEVER
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Improving flips at fixed delta, then delta re-fitted, ``sweeps`` times at most or until
-        every plain ratio is below ``done``; returns the patterns (S, m), their plain ratios (S,)
-        and the deltas (S, k) that attain them (every pattern's last fit is of its final state)."""
+        every plain ratio is below ``done`` or ``deadline`` passes; returns the patterns (S, m),
+        their plain ratios (S,) and the deltas (S, k) that attain them (every pattern's last fit
+        is of its final state)."""
         masks = masks.clone()
         ratio = torch.full((masks.shape[0],), float("inf"), dtype=self.U.dtype, device=masks.device)
         plain = torch.zeros(masks.shape[0], self.B.shape[1], dtype=self.U.dtype, device=masks.device)
         live = torch.arange(masks.shape[0], device=masks.device)
         for _ in range(sweeps):
+            if deadline.passed():
+                break
             delta, plain[live], ratio[live] = self.fit(masks[live])
             open_ = ratio[live] >= done
             live, delta = live[open_], delta[open_]
@@ -468,7 +471,7 @@ class MaskedSubspaceProposer(DirectionProposer):
         guesses, self.queue = self.queue[:count], self.queue[count:]
         if count:
             done = max(CONVERGED * ctx.zero_rtol**2, RATIO_FLOOR)
-            masks, ratio, delta = self.search.descend(guesses, self.sweeps, self.flips, done)
+            masks, ratio, delta = self.search.descend(guesses, self.sweeps, self.flips, done, ctx.deadline)
             h = delta @ self.B.T
             y2 = ((masks * h) ** 2).sum(dim=1, keepdim=True)
             firm = h**2 * self.search.P_diag > FIRM * done * y2

@@ -142,6 +142,26 @@ def test_aggregate_weights_tell_clients_apart_by_size():
     assert infer_aggregate(torch.tensor([0.3, 0.3]), clients=2).reduction is None  # 1/0.3 is no size
 
 
+def test_aggregate_weights_are_compared_at_each_samples_own_precision():
+    # a faint sample's weight is known less precisely; that must not loosen the comparison of
+    # two precise weights (nor the precise weights' own fit)
+    from spear.core.certificate import aggregate_multiples
+
+    precise, loose = 1e-7, 1e-5
+    weights = torch.tensor([1 / 4, (1 / 8) * (1 + 3e-6), 1 / 6], dtype=torch.float64)
+    rtol = torch.tensor([precise, precise, loose], dtype=torch.float64)
+    assert aggregate_multiples(weights, loose) == [0]  # one loose scale for all: a false multiple
+    assert aggregate_multiples(weights, rtol) == []
+    assert aggregate_multiples(
+        torch.tensor([1 / 4, (1 / 2) * (1 + 3e-6)], dtype=torch.float64), [precise, loose]
+    ) == [1]
+    weights = torch.tensor([1 / 4] * 4 + [(1 / 8) * (1 + 3e-6)] + [1 / 8] * 7, dtype=torch.float64)
+    assert infer_aggregate(weights, clients=2, rtol=precise).reduction is None
+    per_sample = torch.full((12,), precise, dtype=torch.float64)
+    per_sample[4] = loose
+    assert infer_aggregate(weights, clients=2, rtol=per_sample).client_sizes.tolist() == [4] * 4 + [8] * 8
+
+
 # --- FedAvg through Flower -----------------------------------------------------------------------
 
 

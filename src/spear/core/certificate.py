@@ -141,20 +141,25 @@ def infer_reduction(weights: torch.Tensor, rtol: float | torch.Tensor = WEIGHT_R
     return none
 
 
-def aggregate_multiples(weights: torch.Tensor, rtol: float = WEIGHT_RTOL) -> list[int]:
+def aggregate_multiples(weights: torch.Tensor, rtol: float | torch.Tensor = WEIGHT_RTOL) -> list[int]:
     """Samples whose weight is an integer multiple (>= 2) of another sample's: under secure
     aggregation a weight ``k/B`` is a sample present k times in a client of B, or one sample of a
-    client of ``B/k``; the update cannot tell which, so such batches are not verified."""
+    client of ``B/k``; the update cannot tell which, so such batches are not verified. ``rtol``:
+    the weights' precision, one for all or one per sample (b,); a ratio of two weights is known
+    to the sum of theirs."""
     w = weights.detach().double().cpu()
     if w.numel() == 0 or not bool(torch.isfinite(w).all()) or bool((w <= 0).any()):
         return []
+    rtol = torch.as_tensor(rtol, dtype=torch.float64).cpu().expand_as(w)
     ratio = w[:, None] / w[None, :]
     whole = ratio.round()
-    multiple = (whole >= 2) & ((ratio - whole).abs() <= rtol * ratio)
+    multiple = (whole >= 2) & ((ratio - whole).abs() <= (rtol[:, None] + rtol[None, :]) * ratio)
     return multiple.any(dim=1).nonzero()[:, 0].tolist()
 
 
-def infer_aggregate(weights: torch.Tensor, clients: int, rtol: float = WEIGHT_RTOL) -> BatchReduction:
+def infer_aggregate(
+    weights: torch.Tensor, clients: int, rtol: float | torch.Tensor = WEIGHT_RTOL
+) -> BatchReduction:
     """The reduction of a sum of ``clients`` clients' mean losses (secure aggregation): sample j
     of a client with B_k samples has weight ``1 / B_k``.
 
@@ -163,12 +168,14 @@ def infer_aggregate(weights: torch.Tensor, clients: int, rtol: float = WEIGHT_RT
     the samples those clients hold beyond the recovered ones (they left no trace in the layer);
     it is None when fewer clients than ``clients`` are seen (a client's whole batch may be
     invisible). Exact duplicates inside one client (weight ``2/B``) read as a client of ``B/2``
-    samples; :func:`aggregate_multiples` finds such weights, which the verdict refuses.
+    samples; :func:`aggregate_multiples` finds such weights, which the verdict refuses. ``rtol``:
+    the weights' precision, one for all or one per sample (b,).
     """
     none = BatchReduction(None, None, None)
     w = weights.detach().double().cpu()
     if w.numel() == 0 or not bool(torch.isfinite(w).all()) or bool((w <= 0).any()):
         return none
+    rtol = torch.as_tensor(rtol, dtype=torch.float64).cpu().expand_as(w)
     sizes = 1.0 / w
     whole = sizes.round()
     if not bool(((sizes - whole).abs() <= rtol * sizes).all()) or bool((whole < 1).any()):

@@ -313,8 +313,7 @@ def _judge_by_model(
             "as with two classes), which mixtures of samples sharing a pattern pass too, and this "
             "layer does not pin them"
         )
-    loosest = float(precision.max())  # secure aggregation compares weights pairwise: one scale
-    multiples = aggregate_multiples(cert.weights, loosest) if clients > 1 else []
+    multiples = aggregate_multiples(cert.weights, precision) if clients > 1 else []
     if multiples:
         verdict.problems.append(
             f"sample(s) {multiples} carry an integer multiple of another sample's loss weight: under "
@@ -323,7 +322,7 @@ def _judge_by_model(
         )
         reduction = BatchReduction(None, None, None)
     elif clients > 1:
-        reduction = infer_aggregate(cert.weights, clients, loosest)
+        reduction = infer_aggregate(cert.weights, clients, precision)
     else:
         reduction = infer_reduction(cert.weights, precision)
     verdict.reduction = reduction

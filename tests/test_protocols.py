@@ -160,6 +160,23 @@ def test_aggregate_weights_are_compared_at_each_samples_own_precision():
     per_sample = torch.full((12,), precise, dtype=torch.float64)
     per_sample[4] = loose
     assert infer_aggregate(weights, clients=2, rtol=per_sample).client_sizes.tolist() == [4] * 4 + [8] * 8
+    # the verdict passes each sample's precision on: a faint sample's loose weight (1/6) does
+    # not make two precise weights 1/4 and 1/8 (1 + 3e-6) a multiple of each other
+    from types import SimpleNamespace
+
+    from spear.core.certificate import SampleCertificates
+    from spear.core.verdict import _judge_by_model
+
+    weights = torch.tensor([1 / 4, (1 / 8) * (1 + 3e-6), 1 / 6], dtype=torch.float64)
+    b = weights.numel()
+    ok = torch.ones(b, dtype=torch.bool)
+    labels, misfit = torch.zeros(b, dtype=torch.long), torch.zeros(b, dtype=torch.float64)
+    cert = SampleCertificates(ok, labels, weights, misfit)
+    verdict = SimpleNamespace(problems=[], notes=[], reject=[], reduction=None, verified_by=None)
+    precision = torch.full((b,), precise, dtype=torch.float64)
+    precision[-1] = loose
+    _judge_by_model(verdict, cert, torch.zeros(b, dtype=torch.bool), precision, True, clients=2)
+    assert not any("multiple" in problem for problem in verdict.problems)
 
 
 # --- FedAvg through Flower -----------------------------------------------------------------------

@@ -116,28 +116,26 @@ def client_factory():
     return make_client
 
 
-def without_dense_singletons(monkeypatch) -> None:
-    """Leave the singleton cascade its self-pinning candidates only (no dense-input route,
-    :func:`spear.core.singletons.singleton_candidates`)."""
+def _singletons_only(monkeypatch, sparse: bool) -> None:
+    """Leave the singleton cascade its self-pinning candidates (``sparse``) or none, never the
+    dense-input ones (:func:`spear.core.singletons.singleton_candidates`)."""
     import spear.core.reconstruct as reconstruct
 
     candidates = reconstruct.singleton_candidates
 
-    def sparse_only(problem, peeled, zero_rtol, dense=False):
+    def kept(problem, peeled, zero_rtol, dense=False):
         found = candidates(problem, peeled, zero_rtol, dense)
-        return found[:0] if dense else found
+        return found if sparse and not dense else found[:0]
 
-    monkeypatch.setattr(reconstruct, "singleton_candidates", sparse_only)
+    monkeypatch.setattr(reconstruct, "singleton_candidates", kept)
+
+
+def without_dense_singletons(monkeypatch) -> None:
+    """Leave the singleton cascade its self-pinning candidates only (no dense-input route)."""
+    _singletons_only(monkeypatch, sparse=True)
 
 
 def without_singletons(monkeypatch) -> None:
     """Switch the singleton cascade off (:mod:`spear.core.singletons`): it finds columns from
     neurons active for one sample, whatever their zero count."""
-    import spear.core.reconstruct as reconstruct
-
-    candidates = reconstruct.singleton_candidates
-
-    def none(problem, peeled, zero_rtol, dense=False):
-        return candidates(problem, peeled, zero_rtol, dense)[:0]
-
-    monkeypatch.setattr(reconstruct, "singleton_candidates", none)
+    _singletons_only(monkeypatch, sparse=False)

@@ -239,6 +239,13 @@ class AttackSetup:
         factor = self.problem.sparse_factor
         return rounding_map(S, self.b, eps).to(factor)
 
+    def column_zeros(self, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The zero sets of the columns of directions q (k x b): the entries within ``zero_rtol``
+        of each column's max or its rounding floor, and the certainly zero ones (k, rows)."""
+        values = q @ self.problem.sparse_factor.T
+        masks = zero_mask(values, self.tol.zero_rtol, rounding_floor(q, self.rounding, values.shape[1]))
+        return masks, zero_mask(values, self.tol.zero_floor)
+
     def sample_rtol(self, directions: torch.Tensor) -> torch.Tensor:
         """(k,) the misfit tolerance of the samples of these directions (k x b):
         :func:`~spear.core.verdict.sample_tolerances` in output mode (the precision of the dL/dZ
@@ -481,15 +488,12 @@ class _Attack:
         if not bool(changed.any()):
             return
         rows, q = position[changed], new[changed]
-        values = q @ self.setup.problem.sparse_factor.T
-        tol = self.setup.tol
+        masks, certain = self.setup.column_zeros(q)
         snapped.directions[rows] = q
-        snapped.zero_masks[rows] = zero_mask(
-            values, tol.zero_rtol, rounding_floor(q, self.setup.rounding, values.shape[1])
-        )
-        snapped.zero_counts[rows] = snapped.zero_masks[rows].sum(dim=1).to(snapped.zero_counts.dtype)
+        snapped.zero_masks[rows] = masks
+        snapped.zero_counts[rows] = masks.sum(dim=1).to(snapped.zero_counts.dtype)
         if snapped.certain_zero is not None:
-            snapped.certain_zero[rows] = zero_mask(values, tol.zero_floor)
+            snapped.certain_zero[rows] = certain
 
     def _certify_samples(self, samples: PeeledSamples, layer_ok: torch.Tensor) -> torch.Tensor:
         """Which peeled samples count, given which the layers certify (``layer_ok``); fills in
@@ -542,9 +546,7 @@ class _Attack:
         alone) says nothing about its column's zero set, which the verdict counts as a pin."""
         s = self.setup
         q = samples.directions
-        values = (s.problem.L @ q.T).T
-        masks = zero_mask(values, s.tol.zero_rtol, rounding_floor(q, s.rounding, values.shape[1]))
-        certain = zero_mask(values, s.tol.zero_floor)
+        masks, certain = s.column_zeros(q)
         kernel, one_dim, robust = kernel_of_rows(s.problem.L, masks, s.deadline)
         kernel = kernel.to(q) * torch.sign((kernel.to(q) * q).sum(dim=1, keepdim=True))
         same = (kernel - q).norm(dim=1) <= s.tol.verify_rtol  # an angle within the tolerance
@@ -557,8 +559,10 @@ class _Attack:
         None when it certifies none."""
         s = self.setup
         assert self.singleton_peelers is not None
+        if s.deadline.passed():
+            return None
         candidates = singleton_candidates(s.problem, self.peeled, s.tol.zero_rtol, dense=not pin_inputs)
-        if not candidates.shape[0] or s.deadline.passed():
+        if not candidates.shape[0]:
             return None
         outcome = self.singleton_peelers[pin_inputs].peel(candidates, None, s.deadline)
         samples = outcome.samples

@@ -318,7 +318,9 @@ def attack_layer(
         dtype = source_precision(_as_tensor("gradient", grads[prefix + "weight"]), working)
         rtol = options.get("verify_rtol") or Tolerances.for_dtype(dtype).verify_rtol
         saturation = SATURATION_EPS * torch.finfo(dtype).eps
-        certifier = ModelCertifier(tail, module.weight, module.bias, rtol, loss, saturation)
+        # a tolerance the user set is theirs: the verdict's precision audit then stays off
+        rounding = None if options.get("verify_rtol") else dtype
+        certifier = ModelCertifier(tail, module.weight, module.bias, rtol, loss, saturation, rounding)
         if sample_weights is not None:
             _check_first_layer(model, layer, "sample_weights")
             certifier = WeightedCertifier(certifier, model, sample_weights)

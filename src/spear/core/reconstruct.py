@@ -42,6 +42,7 @@ from spear.core.greedy import Selection, greedy_filter, score
 from spear.core.input_peeling import InputSidePeeler
 from spear.core.lowrank import LowRankSplit, low_rank_split
 from spear.core.peeling import PeeledSamples, SamplePeeler, mutually_consistent
+from spear.core.polish import polish_directions
 from spear.core.proposers import (
     PROPOSERS,
     AutoProposer,
@@ -58,6 +59,7 @@ from spear.core.verdict import (
     WEIGHT_PRECISION,
     ModelGate,
     Verdict,
+    data_precision,
     judge,
     sample_tolerances,
     verdict_message,
@@ -253,6 +255,12 @@ class AttackSetup:
         if self.options.sparsity != "output":
             return torch.full((directions.shape[0],), self.tol.verify_rtol, dtype=torch.float64)
         return sample_tolerances(directions, self.problem.sparse_factor, self.rounding, self.tol.verify_rtol)
+
+    def data_precision(self, directions: torch.Tensor) -> torch.Tensor:
+        """(b,) each sample's rounding in the data, for the batch of these directions (b x b,
+        columns): :func:`~spear.core.verdict.data_precision`."""
+        eps = torch.finfo(self.source_dtype).eps
+        return data_precision(self.split.singular_values, directions, eps)
 
     @property
     def elapsed(self) -> float:
@@ -509,6 +517,7 @@ class _Attack:
         # labels only from a discriminative fit (a sign-only one assumes the loss)
         samples.labels = torch.where(samples.strong, cert.labels.to(ok.device), -1)
         samples.weights = torch.where(ok, cert.weights.to(samples.weights), torch.nan)
+        samples.misfit = torch.where(ok, cert.misfit.to(samples.misfit), torch.nan)
         # with a model, a sample counts only if it fits it as one sample: a column whose weight
         # is a multiple of one sample's stands for several (only their mean is determined), one
         # no label fits may be a merge of samples the layer cannot separate, and a saturated one
@@ -612,7 +621,8 @@ class _Attack:
             chosen = list(selection.indices)
             # a robust candidate that peeling refuted pins nothing (float32 mixtures can be robust)
             pinned = pool.robust[chosen] & ~pool.refuted[chosen]
-            verdict = self._judge(selection, pool.certified[chosen], pinned)
+            selection, polished = self._polish(selection)
+            verdict = self._judge(selection, pool.certified[chosen], pinned, polished)
             if verdict is not None and verdict.reject:
                 pool.reject([selection.indices[i] for i in verdict.reject])
                 self.best, self.verdict = None, None
@@ -620,7 +630,31 @@ class _Attack:
             self.best, self.verdict = selection, verdict
             return
 
-    def _judge(self, selection: Selection, certified: torch.Tensor, robust: torch.Tensor) -> Verdict | None:
+    def _polish(self, selection: Selection) -> tuple[Selection, torch.Tensor]:
+        """A perfect selection with its directions polished on their clearly zero rows
+        (:func:`~spear.core.polish.polish_directions`) where it stays perfect, and which
+        columns changed (b,)."""
+        s = self.setup
+        unchanged = torch.zeros(selection.Qbar.shape[1], dtype=torch.bool)
+        if not selection.perfect or s.options.sparsity != "output":
+            return selection, unchanged
+        result = polish_directions(s.problem.sparse_factor, selection.Qbar, s.tol.zero_rtol, s.deadline)
+        if not bool(result.changed.any()):
+            return selection, unchanged
+        masks, certain = s.column_zeros(result.Qbar.T)
+        sigma, valid, c, consistent = score(
+            s.problem, result.Qbar[None], masks[None], certain[None], s.tol.z_rtol
+        )
+        if not bool(valid[0]) or float(sigma[0]) < 1.0:
+            return selection, unchanged
+        polished = Selection(selection.indices, result.Qbar, c[0], float(sigma[0]), int(consistent[0]))
+        return polished, result.changed.cpu()
+
+    def _judge(
+        self, selection: Selection, certified: torch.Tensor, robust: torch.Tensor, polished: torch.Tensor
+    ) -> Verdict | None:
+        """The verdict on a perfect selection; ``polished`` (b,): its columns solved again on
+        their clearly zero rows, the only ones the data give to rounding precision."""
         if not selection.perfect:
             return None
         assembled, check = self.setup.assemble_and_check(selection)
@@ -630,8 +664,21 @@ class _Attack:
         tol, gate, ok = self.setup.tol, self.gate, self.resolvable
         clients = self.setup.options.clients
         rtol = self._sample_rtol(selection.Qbar.T)
+        precision = torch.where(polished, self.setup.data_precision(selection.Qbar), torch.inf)
         return judge(
-            selection, factor, certified, assembled, check, tol, gate, ok, known, robust, clients, rtol
+            selection,
+            factor,
+            certified,
+            assembled,
+            check,
+            tol,
+            gate,
+            ok,
+            known,
+            robust,
+            clients,
+            rtol,
+            precision,
         )
 
     def _sample_rtol(self, directions: torch.Tensor) -> torch.Tensor:
@@ -680,7 +727,7 @@ class _Attack:
         known.strong[ok] = peeled.strong[index][ok]
         known.labels[ok] = labels[ok]
         known.weights[ok] = weights[ok].to(known.weights)
-        known.misfit[ok] = float("nan")  # issued earlier, not recomputed
+        known.misfit[ok] = peeled.misfit[index][ok].to(known.misfit)
         return known
 
     # --- the loop ---------------------------------------------------------------------------
@@ -954,7 +1001,17 @@ def _single_sample(setup: AttackSetup, gate: ModelGate) -> Reconstruction:
     if selection.perfect:
         assembled, check = setup.assemble_and_check(selection)
         certified = torch.zeros(1, dtype=torch.bool, device=factor.device)
-        verdict = judge(selection, factor, certified, assembled, check, setup.tol, gate, setup.resolvable)
+        verdict = judge(
+            selection,
+            factor,
+            certified,
+            assembled,
+            check,
+            setup.tol,
+            gate,
+            setup.resolvable,
+            precision=setup.data_precision(Qbar),
+        )
     return finish(setup, selection, verdict, gate, _no_peeled(setup), None, "trivial")
 
 

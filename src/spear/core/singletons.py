@@ -93,6 +93,7 @@ def as_output_samples(samples: PeeledSamples) -> PeeledSamples:
         samples.labels,
         samples.weights,
         samples.strong,
+        samples.misfit,
     )
 
 

@@ -1,0 +1,74 @@
+"""Polishing a selection's directions on their clearly zero rows.
+
+A direction is snapped on its column's zero mask: the entries up to ``zero_rtol`` of the
+column's largest (:func:`spear.core.filtering.zero_mask`). Trained networks and float32
+gradients have *active* neurons whose gradient is merely that small (1e-5 of a column's
+maximum), and the kernel of L on a mask holding them carries a trace of other samples' columns
+of about their size. Measured on a float32 MLP 6 x 500 trained 200 steps (b = 64, MNIST):
+three columns came out 0.7-1.1e-4 off in direction, where the rounding of the data explains
+5e-6; the batch assembled from them is off accordingly, and a certificate that checks each
+sample to the data's precision (:func:`spear.core.verdict.audit_precision`) cannot tell such a
+column from a mixture.
+
+Solving again on the rows at most ``POLISH_FRACTION * zero_rtol`` of the column's largest drops
+the band where small active rows live: the same three columns come out 1.6-2.5e-7 off. A
+polished direction replaces the snapped one only where that is safe: at least b such rows, a
+one-dimensional kernel, a turn of at most ``POLISH_TURN * zero_rtol`` (it sharpens the column,
+it does not swap it for another), and the new column still zero on every row of the old mask
+(the ReLU pattern the selection was scored on).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from spear.core.deadline import NEVER, Deadline
+from spear.core.filtering import kernel_of_rows
+
+#: the polished kernel takes as zero only entries at most this times ``zero_rtol`` of the
+#: column's largest (float32: 1e-5; float64: 1e-10)
+POLISH_FRACTION = 0.1
+#: a polished direction turns by at most this many ``zero_rtol`` from the snapped one (the
+#: band's trace is about ``zero_rtol`` times the conditioning of the zero rows)
+POLISH_TURN = 100.0
+
+
+@dataclass(frozen=True)
+class Polished:
+    """Directions (b x b, columns) after polishing, and which of them changed (b,)."""
+
+    Qbar: torch.Tensor
+    changed: torch.Tensor
+
+
+def polish_directions(
+    L: torch.Tensor, Qbar: torch.Tensor, zero_rtol: float, deadline: Deadline = NEVER
+) -> Polished:
+    """Each column of ``Qbar`` (b x b) solved again as the kernel of ``L`` (m x b) on its
+    clearly zero rows, where that is safe (see the module doc)."""
+    b = Qbar.shape[1]
+    q = (Qbar.T / Qbar.T.norm(dim=1, keepdim=True)).to(L.dtype)
+    values = (q @ L.T).abs()
+    peak = values.amax(dim=1, keepdim=True)
+    mask = values <= zero_rtol * peak
+    tight = values <= POLISH_FRACTION * zero_rtol * peak
+    todo = ((tight.sum(dim=1) >= b) & (tight != mask).any(dim=1)).nonzero()[:, 0]
+    changed = torch.zeros(b, dtype=torch.bool, device=Qbar.device)
+    if b < 2 or not todo.numel():
+        return Polished(Qbar, changed)
+    kernel, one_dim, _ = kernel_of_rows(L, tight[todo], deadline)
+    kernel = kernel * torch.sign((kernel * q[todo]).sum(dim=1, keepdim=True))
+    fresh = (kernel @ L.T).abs()
+    still_zero = (fresh <= zero_rtol * fresh.amax(dim=1, keepdim=True)) | ~mask[todo]
+    small_turn = (kernel - q[todo]).norm(dim=1) <= POLISH_TURN * zero_rtol
+    ok = one_dim & still_zero.all(dim=1) & small_turn & torch.isfinite(kernel).all(dim=1)
+    polished = Qbar.clone()
+    scale = Qbar[:, todo[ok]].norm(dim=0, keepdim=True)
+    polished[:, todo[ok]] = (kernel[ok].T * scale).to(Qbar.dtype)
+    changed[todo[ok]] = True
+    return Polished(polished, changed)
+
+
+__all__ = ["POLISH_FRACTION", "POLISH_TURN", "Polished", "polish_directions"]

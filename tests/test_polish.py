@@ -38,7 +38,7 @@ def test_a_column_snapped_on_its_band_is_sharpened():
     before = float((snapped - truth[:, 0]).norm())
     assert before > 1e-6  # the band's active rows bias the snapped kernel
     result = polish_directions(L, Qbar, ZERO_RTOL)
-    assert bool(result.changed[0])
+    assert bool(result.solved[0]) and bool(result.keeps_pin[0])
     polished = result.Qbar / result.Qbar.norm(dim=0)
     assert float((polished[:, 0] - truth[:, 0]).norm()) < 1e-3 * before
     # the exact columns stay (a rare entry of theirs inside the band may be dropped: same kernel)
@@ -55,4 +55,14 @@ def test_too_few_clearly_zero_rows_leave_the_direction_alone():
     values = (Qbar[:, 0] @ L.T).abs()
     assert int((values <= POLISH_FRACTION * ZERO_RTOL * values.max()).sum()) < 8  # the premise
     result = polish_directions(L, Qbar, ZERO_RTOL)
-    assert not bool(result.changed[0]) and torch.equal(result.Qbar[:, 0], Qbar[:, 0])
+    assert not bool(result.solved[0]) and torch.equal(result.Qbar[:, 0], Qbar[:, 0])
+
+
+def test_everywhere_solves_the_clean_columns_too():
+    """``everywhere`` solves the columns without band rows as well (the precision audit trusts
+    only columns computed on exactly their clearly zero rows): the same kernels."""
+    L, _, truth = columns_with_small_active_rows()
+    result = polish_directions(L, truth.clone(), ZERO_RTOL, everywhere=True)
+    assert bool(result.solved[1:].all())
+    solved = result.Qbar / result.Qbar.norm(dim=0)
+    assert float((solved - truth).norm(dim=0).max()) < 1e-9

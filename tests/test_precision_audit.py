@@ -13,7 +13,10 @@ import torch
 
 from spear.certify import ModelCertifier, model_tail
 from spear.core.certificate import infer_reduction
-from spear.core.verdict import ModelGate, Verdict, audit_precision, data_precision
+from spear.core.consistency import Tolerances
+from spear.core.greedy import Selection
+from spear.core.verdict import ModelGate, Verdict, audit_precision, data_precision, judge
+from spear.core.verify import Verification
 from spear.data import load_dataset
 from spear.fl import fully_connected, pretrain, simulate_fedsgd
 
@@ -64,10 +67,25 @@ def audited(client, x, columns, dtype=torch.float32, loss="cross_entropy") -> Ve
     return verdict
 
 
+def judged(client, x, columns) -> Verdict:
+    """The verdict of :func:`spear.core.verdict.judge` on a consistent batch with these inputs
+    and columns, every column solved on its clearly zero rows (audited)."""
+    model, _, _, S, L = client
+    q = torch.linalg.lstsq(L, columns.T).solution
+    selection = Selection(tuple(range(B)), q, torch.ones(B, dtype=torch.float64), 1.0, B)
+    check = Verification(True, 0.0, FLOAT32_RTOL)
+    precision = data_precision(S, q, torch.finfo(torch.float32).eps)
+    certified = torch.zeros(B, dtype=torch.bool)
+    tol = Tolerances.for_dtype(torch.float32)
+    gate = ModelGate(certifier_of(model))
+    return judge(selection, L, certified, (x, columns.T), check, tol, gate, True, precision=precision)
+
+
 def test_the_true_batch_passes(client):
     _, x, columns, _, _ = client
     verdict = audited(client, x, columns)
     assert verdict.verified_by == "model", verdict.problems
+    assert judged(client, x, columns).verified_by == "model"
 
 
 def mixed(x, columns, j, k, c):
@@ -85,26 +103,47 @@ def passes_dtype_checks(certifier, x, columns, j, k, c) -> bool:
     return bool(cert.ok.all()) and bool(((cert.weights * B - 1).abs() <= FLOAT32_RTOL).all())
 
 
-@pytest.mark.parametrize("c", [3e-3, 1e-3])
-def test_mixtures_that_move_a_precise_sample_are_refused(client, c):
-    """Every mixture that passes float32's checks but moves sample k by more than 100 times
-    the precision the data give it is refused; the true batch passes (above). Mixtures into
-    the faint samples (known only to ~1e-4) stay: the data do not pin those more closely."""
+@pytest.fixture(scope="module")
+def far_mixtures(client):
+    """c -> the ordered pairs (j, k) whose mixture passes float32's checks yet moves sample k by
+    more than 100 times the precision the data give it."""
     model, x, columns, S, L = client
     certifier = certifier_of(model)
     explained = data_precision(S, torch.linalg.lstsq(L, columns.T).solution, torch.finfo(torch.float32).eps)
     explained += certifier.rounding(x, certifier(x, columns).labels)
-    moved_far = [
-        (j, k)
-        for j, k in itertools.permutations(range(B), 2)
-        if c * float(x[j].norm() / x[k].norm()) > 100 * float(explained[k])
-        and passes_dtype_checks(certifier, x, columns, j, k, c)
-    ]
-    assert moved_far  # the premise: the dtype's tolerance lets such mixtures through
-    for j, k in moved_far:
+    return {
+        c: [
+            (j, k)
+            for j, k in itertools.permutations(range(B), 2)
+            if c * float(x[j].norm() / x[k].norm()) > 100 * float(explained[k])
+            and passes_dtype_checks(certifier, x, columns, j, k, c)
+        ]
+        for c in (3e-3, 1e-3)
+    }
+
+
+@pytest.mark.parametrize("c", [3e-3, 1e-3])
+def test_mixtures_that_move_a_precise_sample_are_refused(client, far_mixtures, c):
+    """Every mixture that passes float32's checks but moves sample k by more than 100 times
+    the precision the data give it is refused; the true batch passes (above). Mixtures into
+    the faint samples (known only to ~1e-4) stay: the data do not pin those more closely."""
+    _, x, columns, _, _ = client
+    assert far_mixtures[c]  # the premise: the dtype's tolerance lets such mixtures through
+    messages = []
+    for j, k in far_mixtures[c]:
         verdict = audited(client, *mixed(x, columns, j, k, c))
         assert verdict.verified_by is None, (j, k)
-        assert "trace of another sample" in verdict.problems[-1]
+        messages.append(verdict.problems[-1])
+    assert any("trace of another sample" in text for text in messages)
+
+
+def test_a_refused_batch_certifies_no_sample_on_its_own(client, far_mixtures):
+    """The audit names the column that carries the trace, not the input that lost it: after a
+    refusal no column of the batch counts as certified one by one."""
+    _, x, columns, _, _ = client
+    j, k = far_mixtures[1e-3][0]
+    verdict = judged(client, *mixed(x, columns, j, k, 1e-3))
+    assert verdict.verified_by is None and verdict.individual is None
 
 
 def test_a_scaled_precise_sample_is_refused(client):
@@ -119,10 +158,12 @@ def test_a_scaled_precise_sample_is_refused(client):
         assert audited(client, shrunk, scaled).verified_by is None, j
 
 
-def test_no_audit_without_a_rounding_model(client):
-    """A custom loss (or a tolerance the user set) has no rounding model: the verdict stands."""
+def test_no_audit_without_a_rounding_model(client, far_mixtures):
+    """A custom loss (or a tolerance the user set) has no rounding model: the verdict stands
+    where cross-entropy's audit refuses it."""
     _, x, columns, _, _ = client
-    moved, changed = mixed(x, columns, 13, 0, 1e-3)  # refused with cross-entropy (above)
+    moved, changed = mixed(x, columns, *far_mixtures[1e-3][0], 1e-3)
+    assert audited(client, moved, changed).verified_by is None
 
     def loss(logits, labels):
         return torch.nn.functional.cross_entropy(logits, labels, reduction="none")
@@ -130,14 +171,33 @@ def test_no_audit_without_a_rounding_model(client):
     assert audited(client, moved, changed, loss=loss).verified_by == "model"
 
 
-def test_float64_keeps_its_tolerance(client, monkeypatch):
-    """For a float64 client the audit's floor (1e-8) is the verification tolerance itself."""
+def test_the_audit_never_goes_below_float64s_tolerance(client, monkeypatch):
+    """Float64 data explain ~1e-15: 30 times that is far below float64's tolerance of 1e-8,
+    which is the floor, so the audit changes nothing there (no certificate is even issued)."""
     model, x, columns, S, L = client
     certifier = certifier_of(model, torch.float64)
     verdict = model_verified(certifier, x, columns)
     calls = []
     monkeypatch.setattr(ModelCertifier, "__call__", lambda *a, **k: calls.append(1))
     q = torch.linalg.lstsq(L, columns.T).solution
-    precision = data_precision(S, q, torch.finfo(torch.float64).eps)
+    precision = data_precision(S, q, torch.finfo(torch.float64).eps) * 0  # as precise as can be
     audit_precision(verdict, ModelGate(certifier), precision, torch.full((B,), 1e-8, dtype=torch.float64))
     assert verdict.verified_by == "model" and not calls
+
+
+def test_the_api_turns_the_audit_off_for_a_tolerance_the_user_sets(monkeypatch):
+    import spear.api
+
+    captured = {}
+
+    def stop(*args, **options):
+        captured.update(options)
+        raise RuntimeError("stopped before the attack")
+
+    monkeypatch.setattr(spear.api, "reconstruct", stop)
+    model = fully_connected(20, 30, 2, seed=0, dtype=torch.float32)
+    grads = {name: torch.ones_like(p) for name, p in model.named_parameters()}
+    for extra, models in (({}, True), ({"verify_rtol": 1e-3}, False)):
+        with pytest.raises(RuntimeError, match="stopped"):
+            spear.api.attack_layer(model, "0", grads, **extra)
+        assert captured["certifier"].models_rounding is models

@@ -13,9 +13,14 @@ column from a mixture.
 Solving again on the rows at most ``POLISH_FRACTION * zero_rtol`` of the column's largest drops
 the band where small active rows live: the same three columns come out 1.6-2.5e-7 off. A
 polished direction replaces the snapped one only where that is safe: at least b such rows, a
-one-dimensional kernel, a turn of at most ``POLISH_TURN * zero_rtol`` (it sharpens the column,
-it does not swap it for another), and the new column still zero on every row of the old mask
-(the ReLU pattern the selection was scored on).
+one-dimensional kernel, a turn of at most ``POLISH_TURN * zero_rtol`` (and never more than
+``MAX_TURN``: it sharpens the column, it does not swap it for another), and the new column
+still zero on every row of the old mask. A column whose clearly zero rows pin it (no
+essential row, :func:`spear.core.filtering.kernel_of_rows`) keeps its pin.
+
+The peeling retry (:meth:`spear.core.peeling.SamplePeeler._retry_without_band`) drops the band
+too, at 1e-2 of ``zero_rtol``: it must find a direction that peeling failed, from rows that
+are surely zero; polishing refines a direction that is already right, and keeps more rows.
 """
 
 from __future__ import annotations
@@ -33,42 +38,62 @@ POLISH_FRACTION = 0.1
 #: a polished direction turns by at most this many ``zero_rtol`` from the snapped one (the
 #: band's trace is about ``zero_rtol`` times the conditioning of the zero rows)
 POLISH_TURN = 100.0
+#: ... and by at most this much in any case (a wide zero band, e.g. of a noisy gradient)
+MAX_TURN = 1e-2
 
 
 @dataclass(frozen=True)
 class Polished:
-    """Directions (b x b, columns) after polishing, and which of them changed (b,)."""
+    """Directions (b x b, columns) after polishing; which were solved again on their clearly
+    zero rows (b,), and whether each column's pin survives (b,: False where the new zero rows
+    do not pin it; True for the columns left alone)."""
 
     Qbar: torch.Tensor
-    changed: torch.Tensor
+    solved: torch.Tensor
+    keeps_pin: torch.Tensor
+
+    @classmethod
+    def unchanged(cls, Qbar: torch.Tensor) -> Polished:
+        b = Qbar.shape[1]
+        return cls(Qbar, torch.zeros(b, dtype=torch.bool), torch.ones(b, dtype=torch.bool))
 
 
 def polish_directions(
-    L: torch.Tensor, Qbar: torch.Tensor, zero_rtol: float, deadline: Deadline = NEVER
+    L: torch.Tensor,
+    Qbar: torch.Tensor,
+    zero_rtol: float,
+    everywhere: bool = False,
+    deadline: Deadline = NEVER,
 ) -> Polished:
     """Each column of ``Qbar`` (b x b) solved again as the kernel of ``L`` (m x b) on its
-    clearly zero rows, where that is safe (see the module doc)."""
+    clearly zero rows, where that is safe (see the module doc). ``everywhere``: solve columns
+    without band rows too (their snapped direction is the same kernel, now computed on exactly
+    those rows), else only those with band rows."""
     b = Qbar.shape[1]
+    if b < 2:
+        return Polished.unchanged(Qbar)
     q = (Qbar.T / Qbar.T.norm(dim=1, keepdim=True)).to(L.dtype)
     values = (q @ L.T).abs()
     peak = values.amax(dim=1, keepdim=True)
     mask = values <= zero_rtol * peak
     tight = values <= POLISH_FRACTION * zero_rtol * peak
-    todo = ((tight.sum(dim=1) >= b) & (tight != mask).any(dim=1)).nonzero()[:, 0]
-    changed = torch.zeros(b, dtype=torch.bool, device=Qbar.device)
-    if b < 2 or not todo.numel():
-        return Polished(Qbar, changed)
-    kernel, one_dim, _ = kernel_of_rows(L, tight[todo], deadline)
+    eligible = (tight.sum(dim=1) >= b) & (everywhere | (tight != mask).any(dim=1))
+    todo = eligible.nonzero()[:, 0]
+    if not todo.numel():
+        return Polished.unchanged(Qbar)
+    kernel, one_dim, robust = kernel_of_rows(L, tight[todo], deadline)
     kernel = kernel * torch.sign((kernel * q[todo]).sum(dim=1, keepdim=True))
     fresh = (kernel @ L.T).abs()
     still_zero = (fresh <= zero_rtol * fresh.amax(dim=1, keepdim=True)) | ~mask[todo]
-    small_turn = (kernel - q[todo]).norm(dim=1) <= POLISH_TURN * zero_rtol
-    ok = one_dim & still_zero.all(dim=1) & small_turn & torch.isfinite(kernel).all(dim=1)
-    polished = Qbar.clone()
-    scale = Qbar[:, todo[ok]].norm(dim=0, keepdim=True)
-    polished[:, todo[ok]] = (kernel[ok].T * scale).to(Qbar.dtype)
-    changed[todo[ok]] = True
-    return Polished(polished, changed)
+    turn = (kernel - q[todo]).norm(dim=1)
+    small_turn = turn <= min(POLISH_TURN * zero_rtol, MAX_TURN)
+    ok = one_dim & still_zero.all(dim=1) & small_turn & torch.isfinite(turn) & (kernel.norm(dim=1) > 0.5)
+    result = Polished.unchanged(Qbar.clone())
+    columns = todo[ok]
+    result.Qbar[:, columns] = (kernel[ok].T * Qbar[:, columns].norm(dim=0, keepdim=True)).to(Qbar.dtype)
+    result.solved[columns.cpu()] = True
+    result.keeps_pin[columns.cpu()] = robust[ok].cpu()
+    return result
 
 
-__all__ = ["POLISH_FRACTION", "POLISH_TURN", "Polished", "polish_directions"]
+__all__ = ["MAX_TURN", "POLISH_FRACTION", "POLISH_TURN", "Polished", "polish_directions"]

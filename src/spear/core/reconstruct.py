@@ -42,7 +42,7 @@ from spear.core.greedy import Selection, greedy_filter, score
 from spear.core.input_peeling import InputSidePeeler
 from spear.core.lowrank import LowRankSplit, low_rank_split
 from spear.core.peeling import PeeledSamples, SamplePeeler, mutually_consistent
-from spear.core.polish import polish_directions
+from spear.core.polish import MAX_TURN, Polished, polish_directions
 from spear.core.proposers import (
     PROPOSERS,
     AutoProposer,
@@ -56,6 +56,7 @@ from spear.core.scale import LayerProblem
 from spear.core.search import ResidualSearch, lift
 from spear.core.singletons import as_input_problem, as_output_samples, singleton_candidates
 from spear.core.verdict import (
+    TIGHTEST_SAMPLE_RTOL,
     WEIGHT_PRECISION,
     ModelGate,
     Verdict,
@@ -256,7 +257,7 @@ class AttackSetup:
             return torch.full((directions.shape[0],), self.tol.verify_rtol, dtype=torch.float64)
         return sample_tolerances(directions, self.problem.sparse_factor, self.rounding, self.tol.verify_rtol)
 
-    def data_precision(self, directions: torch.Tensor) -> torch.Tensor:
+    def sample_precision(self, directions: torch.Tensor) -> torch.Tensor:
         """(b,) each sample's rounding in the data, for the batch of these directions (b x b,
         columns): :func:`~spear.core.verdict.data_precision`."""
         eps = torch.finfo(self.source_dtype).eps
@@ -622,7 +623,8 @@ class _Attack:
             # a robust candidate that peeling refuted pins nothing (float32 mixtures can be robust)
             pinned = pool.robust[chosen] & ~pool.refuted[chosen]
             selection, polished = self._polish(selection)
-            verdict = self._judge(selection, pool.certified[chosen], pinned, polished)
+            pinned &= polished.keeps_pin.to(pinned.device)
+            verdict = self._judge(selection, pool.certified[chosen], pinned, polished.solved)
             if verdict is not None and verdict.reject:
                 pool.reject([selection.indices[i] for i in verdict.reject])
                 self.best, self.verdict = None, None
@@ -630,31 +632,37 @@ class _Attack:
             self.best, self.verdict = selection, verdict
             return
 
-    def _polish(self, selection: Selection) -> tuple[Selection, torch.Tensor]:
+    def _polish(self, selection: Selection) -> tuple[Selection, Polished]:
         """A perfect selection with its directions polished on their clearly zero rows
-        (:func:`~spear.core.polish.polish_directions`) where it stays perfect, and which
-        columns changed (b,)."""
+        (:func:`~spear.core.polish.polish_directions`) where it stays perfect. A noisy
+        gradient's zero band is the noise, and a faint float64 batch's zero sets hold a rounding
+        floor: neither has clearly zero rows to refine on. Where the precision audit can act
+        (a tolerance looser than float64's), every column is solved again: the audit trusts
+        only columns computed on exactly their clearly zero rows. A peeled column that
+        polishing turns is no longer the certified sample's direction: the verdict certifies
+        it afresh (:meth:`_certified_as_assembled`)."""
         s = self.setup
-        unchanged = torch.zeros(selection.Qbar.shape[1], dtype=torch.bool)
-        if not selection.perfect or s.options.sparsity != "output":
-            return selection, unchanged
-        result = polish_directions(s.problem.sparse_factor, selection.Qbar, s.tol.zero_rtol, s.deadline)
-        if not bool(result.changed.any()):
-            return selection, unchanged
+        none = Polished.unchanged(selection.Qbar)
+        if not selection.perfect or s.options.sparsity != "output" or s.split.noisy or s.rounding is not None:
+            return selection, none
+        everywhere = s.tol.verify_rtol > TIGHTEST_SAMPLE_RTOL
+        L, zero_rtol = s.problem.sparse_factor, s.tol.zero_rtol
+        result = polish_directions(L, selection.Qbar, zero_rtol, everywhere, s.deadline)
+        if not bool(result.solved.any()):
+            return selection, none
         masks, certain = s.column_zeros(result.Qbar.T)
         sigma, valid, c, consistent = score(
             s.problem, result.Qbar[None], masks[None], certain[None], s.tol.z_rtol
         )
         if not bool(valid[0]) or float(sigma[0]) < 1.0:
-            return selection, unchanged
-        polished = Selection(selection.indices, result.Qbar, c[0], float(sigma[0]), int(consistent[0]))
-        return polished, result.changed.cpu()
+            return selection, none
+        return Selection(selection.indices, result.Qbar, c[0], float(sigma[0]), int(consistent[0])), result
 
     def _judge(
         self, selection: Selection, certified: torch.Tensor, robust: torch.Tensor, polished: torch.Tensor
     ) -> Verdict | None:
         """The verdict on a perfect selection; ``polished`` (b,): its columns solved again on
-        their clearly zero rows, the only ones the data give to rounding precision."""
+        their clearly zero rows, which the precision audit checks at the data's precision."""
         if not selection.perfect:
             return None
         assembled, check = self.setup.assemble_and_check(selection)
@@ -664,7 +672,9 @@ class _Attack:
         tol, gate, ok = self.setup.tol, self.gate, self.resolvable
         clients = self.setup.options.clients
         rtol = self._sample_rtol(selection.Qbar.T)
-        precision = torch.where(polished, self.setup.data_precision(selection.Qbar), torch.inf)
+        precision = None  # nothing solved on its clearly zero rows: nothing to audit
+        if bool(polished.any()):
+            precision = torch.where(polished, self.setup.sample_precision(selection.Qbar), torch.inf)
         return judge(
             selection,
             factor,
@@ -674,11 +684,11 @@ class _Attack:
             tol,
             gate,
             ok,
-            known,
-            robust,
-            clients,
-            rtol,
-            precision,
+            known=known,
+            pinned=robust,
+            clients=clients,
+            sample_rtol=rtol,
+            precision=precision,
         )
 
     def _sample_rtol(self, directions: torch.Tensor) -> torch.Tensor:
@@ -972,9 +982,10 @@ def _certified_samples(
     inputs, labels = setup.expand_inputs(peeled.inputs), peeled.labels
     extra = None if verdict is None or verdict.verified else verdict.individual
     if extra is not None and selection is not None and len(peeled):
-        # a peeled sample whose assembled column lost its certificate must not come twice
+        # a peeled sample whose assembled column lost its certificate (or was polished, turning
+        # by up to MAX_TURN) must not come twice
         q = selection.Qbar.T / selection.Qbar.T.norm(dim=1, keepdim=True)
-        same = (q @ peeled.directions.T.to(q)).abs().amax(dim=1) > 1.0 - 1e-9
+        same = (q @ peeled.directions.T.to(q)).abs().amax(dim=1) > 1.0 - MAX_TURN**2
         extra = extra & ~same.to(extra.device)
     if extra is not None and bool(extra.any()):
         assert verdict is not None and verdict.certificates is not None
@@ -1001,17 +1012,7 @@ def _single_sample(setup: AttackSetup, gate: ModelGate) -> Reconstruction:
     if selection.perfect:
         assembled, check = setup.assemble_and_check(selection)
         certified = torch.zeros(1, dtype=torch.bool, device=factor.device)
-        verdict = judge(
-            selection,
-            factor,
-            certified,
-            assembled,
-            check,
-            setup.tol,
-            gate,
-            setup.resolvable,
-            precision=setup.data_precision(Qbar),
-        )
+        verdict = judge(selection, factor, certified, assembled, check, setup.tol, gate, setup.resolvable)
     return finish(setup, selection, verdict, gate, _no_peeled(setup), None, "trivial")
 
 

@@ -214,9 +214,10 @@ def judge(
                 "of the gradient at its weakest singular values), so they are checked and assembled "
                 "to that precision, not to the verification tolerance"
             )
-        if verdict.verified_by == "model" and precision is not None:
-            audit_precision(verdict, gate, precision, sample_rtol, clients)
-        verdict.individual = individually_certified(cert, verdict.reduction, certified)
+        refused = verdict.verified_by == "model" and precision is not None
+        refused = refused and audit_precision(verdict, gate, precision, sample_rtol, clients)
+        # a refused batch may hold a mixture whose partner the audit cannot name: none counts
+        verdict.individual = None if refused else individually_certified(cert, verdict.reduction, certified)
     elif not gate.active and consistent:
         if not resolvable:
             verdict.problems.append(UNRESOLVABLE)
@@ -301,75 +302,102 @@ def data_precision(singular_values: torch.Tensor, directions: torch.Tensor, eps:
     (:func:`spear.core.consistency.rounding_map`: ``noise / sqrt(s_i)`` per unit of each
     coordinate, where ``L = U S^1/2`` and ``R = S^1/2 V^T`` carry ``sqrt(s_i)``)."""
     b = directions.shape[0]
-    S = singular_values.to(torch.float64)
+    S = singular_values.detach().to(torch.float64).cpu()
     noise = max(float(S[b]) if b < S.numel() else 0.0, eps * float(S[0]))
     root = S[:b].clamp_min(torch.finfo(torch.float64).tiny).sqrt()
-    Q = directions.to(torch.float64).cpu()
+    Q = directions.detach().to(torch.float64).cpu()
     tiny = torch.finfo(torch.float64).tiny
     column = (noise / root[:, None] * Q).norm(dim=0) / (root[:, None] * Q).norm(dim=0).clamp_min(tiny)
-    dual = torch.linalg.inv(Q)
+    dual, info = torch.linalg.inv_ex(Q)
+    if int(info):  # singular: nothing is known beyond the tolerance
+        return torch.full((b,), torch.inf, dtype=torch.float64)
     row = (dual * (noise / root)[None]).norm(dim=1) / (dual * root[None]).norm(dim=1).clamp_min(tiny)
-    return column + row
+    return (column + row).nan_to_num(torch.inf)
 
 
 def audit_precision(
     verdict: Verdict, gate: ModelGate, precision: torch.Tensor, sample_rtol: torch.Tensor, clients: int = 1
-) -> None:
-    """Re-check a batch the model verified at the precision its data have.
+) -> bool:
+    """Re-check a batch the model verified at the precision its data have; True when it is
+    refused (``verdict`` then carries the problem and is no longer verified).
 
     The verification tolerance of a dtype is its loosest case (float32: 1e-3, for samples whose
     gradient is faint). Where a sample's column and input are known far more precisely, a
     wrong batch could hide in the slack: a trace ``c`` of another sample's column added to
     column j, with ``c`` times x_j taken off input k, leaves dL/dW unchanged, and at c = 3e-3
-    passed every check of a float32 MLP (review of issue #10). Here each sample's misfit and
-    its loss weight, certified afresh on the batch as assembled, must fit to ``AUDIT_SLACK``
-    times what rounding explains: ``precision`` (the data's, :func:`data_precision`; inf for a
-    column the data give only to the zero band, :mod:`spear.core.polish`) plus the client's
-    own (the certifier's ``rounding``). Without a rounding model (a custom loss, or a
-    tolerance the user set) there is no audit."""
-    certifier = gate.certifier
-    model = getattr(certifier, "rounding", None)
+    passed every check of a float32 MLP (review of issue #10). Here each audited sample's
+    misfit and loss weight, certified afresh on the batch as assembled, must fit to
+    ``AUDIT_SLACK`` times what rounding explains: ``precision`` (the data's,
+    :func:`data_precision`; inf for a column not solved on its clearly zero rows,
+    :mod:`spear.core.polish`, which is not audited) plus the client's own (the certifier's
+    ``rounding``). Without a rounding model (a custom loss, or a tolerance the user set) there
+    is no audit."""
+    rounding = getattr(gate.certifier, "rounding", None)
     cert = verdict.certificates
-    if certifier is None or model is None or cert is None:
-        return
-    client = model(verdict.inputs, cert.labels)
+    if rounding is None or cert is None:
+        return False
+    client = rounding(verdict.inputs, cert.labels)
     if client is None:
-        return
+        return False
     explained = precision.to(torch.float64).cpu() + client.to(torch.float64).cpu()
     loose = sample_rtol.to(explained)
     tight = torch.minimum(loose, (AUDIT_SLACK * explained).clamp_min(TIGHTEST_SAMPLE_RTOL))
-    if bool((tight >= loose).all()):
-        return
     audited = (tight < loose).nonzero()[:, 0]
-    fresh = certifier(verdict.inputs[audited], verdict.grad_outputs.T[audited], rtol=sample_rtol[audited])
-    misfit, weights = cert.misfit.to(tight).clone(), cert.weights.to(tight).clone()
-    misfit[audited], weights[audited] = fresh.misfit.to(tight), fresh.weights.to(tight)
-    relabelled = torch.zeros_like(tight, dtype=torch.bool)
-    relabelled[audited] = fresh.labels.cpu() != cert.labels[audited].cpu()
-    # NaN (a certificate issued without its misfit) proves nothing here
-    off = ~(misfit <= tight) & (tight < loose) | relabelled
-    if bool(off.any()):
-        worst = int(torch.where(off, (misfit / tight).nan_to_num(torch.inf), -1.0).argmax())
-        verdict.problems.append(
-            f"sample(s) {off.nonzero()[:, 0].tolist()} fit the model only to a misfit of up to "
-            f"{float(misfit[worst]):.1e}, more than {AUDIT_SLACK:g} times what the rounding of the "
-            f"data and of the client's arithmetic explains ({float(explained[worst]):.1e}): a trace "
-            "of another sample's column may be mixed in, which the dtype's tolerance cannot see"
-        )
+    if not audited.numel():
+        return False
+    problem = _audit_problem(verdict, gate, audited, tight, explained, sample_rtol, clients)
+    if problem is None:
+        return False
+    verdict.problems.append(problem)
+    verdict.verified_by = None
+    verdict.notes.clear()
+    return True
+
+
+def _audit_problem(
+    verdict: Verdict,
+    gate: ModelGate,
+    audited: torch.Tensor,
+    tight: torch.Tensor,
+    explained: torch.Tensor,
+    sample_rtol: torch.Tensor,
+    clients: int,
+) -> str | None:
+    """Why the ``audited`` samples fail their ``tight`` tolerances (b,), or None."""
+    cert = verdict.certificates
+    assert cert is not None and gate.certifier is not None
+    inputs, columns = verdict.inputs[audited], verdict.grad_outputs.T[audited]
+    if gate.takes_rtol:
+        fresh = gate.certifier(inputs, columns, rtol=sample_rtol[audited])
     else:
-        fit = (
-            infer_aggregate(weights, clients, WEIGHT_PRECISION * tight)
-            if clients > 1
-            else infer_reduction(weights, WEIGHT_PRECISION * tight)
+        fresh = gate.certifier(inputs, columns)
+    relabelled = (fresh.labels.cpu() != cert.labels[audited].cpu()).nonzero()[:, 0]
+    if relabelled.numel():
+        return (
+            f"sample(s) {audited[relabelled].tolist()} fit another label when certified afresh on "
+            "the batch as assembled"
         )
-        if fit.reduction is None:
-            verdict.problems.append(
-                "the loss weights fit one sample's only at the dtype's tolerance, not to the precision "
-                "the data give them: a sample's input may be scaled by that much"
-            )
-    if verdict.problems:
-        verdict.verified_by = None
-        verdict.notes.clear()
+    misfit = fresh.misfit.to(tight)
+    over = ~(misfit <= tight[audited])  # NaN proves nothing
+    if bool(over.any()):
+        worst = int(torch.where(over, (misfit / tight[audited]).nan_to_num(torch.inf), -1.0).argmax())
+        return (
+            f"sample(s) {audited[over].tolist()} fit the model only to a misfit of up to "
+            f"{float(misfit[worst]):.1e}, more than {AUDIT_SLACK:g} times what the rounding of the "
+            f"data and of the client's arithmetic explains ({float(explained[audited[worst]]):.1e}): "
+            "a trace of another sample's column may be mixed in, which the dtype's tolerance cannot "
+            "see (or the client computed in less than its gradient's precision: TF32, autocast)"
+        )
+    weights = cert.weights.to(tight).clone()
+    weights[audited] = fresh.weights.to(tight)
+    precision = WEIGHT_PRECISION * tight
+    fit = infer_aggregate(weights, clients, precision) if clients > 1 else infer_reduction(weights, precision)
+    if fit.reduction is None:
+        return (
+            f"the loss weights of sample(s) {audited.tolist()} fit one sample's only at the dtype's "
+            "tolerance, not to the precision the data give them: an input may be scaled by that much"
+        )
+    return None
 
 
 def _judge_by_model(

@@ -319,8 +319,8 @@ def attack_layer(
         rtol = options.get("verify_rtol") or Tolerances.for_dtype(dtype).verify_rtol
         saturation = SATURATION_EPS * torch.finfo(dtype).eps
         # a tolerance the user set is theirs: the verdict's precision audit then stays off
-        rounding = None if options.get("verify_rtol") else dtype
-        certifier = ModelCertifier(tail, module.weight, module.bias, rtol, loss, saturation, rounding)
+        client_dtype = None if options.get("verify_rtol") else dtype
+        certifier = ModelCertifier(tail, module.weight, module.bias, rtol, loss, saturation, client_dtype)
         if sample_weights is not None:
             _check_first_layer(model, layer, "sample_weights")
             certifier = WeightedCertifier(certifier, model, sample_weights)

@@ -75,6 +75,10 @@ class SampleCertifier(Protocol):
     called with ``rtol=`` (k,): per sample, a misfit tolerance looser than its own where the
     data know a column less precisely (the column of a sample whose gradient is faint,
     :func:`spear.core.verdict.sample_tolerances`); it keeps its own where that is larger.
+
+    Optionally, ``rounding(inputs, labels) -> (k,) or None``: the relative rounding error of
+    each labelled sample's column as the client computed it. Given, a batch the certifier
+    verifies is audited at the data's precision (:func:`spear.core.verdict.audit_precision`).
     """
 
     def __call__(self, inputs: torch.Tensor, grad_outputs: torch.Tensor) -> SampleCertificates: ...

@@ -293,7 +293,7 @@ def column_precision(
 #: b = 32, seeds 0-2, first and hidden layer; untrained 6 x 1000, b = 64): correct samples at
 #: most 4 times it, with median 0.1-0.2; 6.2 once, on a 6 x 500 trained 200 steps (b = 64)
 AUDIT_SLACK = 30.0
-#: ... and never below the float64 verification tolerance (float64 results are unchanged)
+#: ... and never below the float64 verification tolerance (the audit changes nothing in float64)
 TIGHTEST_SAMPLE_RTOL = 1e-8
 
 

@@ -88,7 +88,6 @@ class PeeledSamples:
         weights: (f,) loss weights found with them (1/B for a batch mean), NaN where none.
         strong: (f,) whether that certificate was discriminative and one sample's (see
             :class:`spear.core.certificate.SampleCertificates`).
-        misfit: (f,) that certificate's relative misfit, NaN where none was run.
     """
 
     directions: torch.Tensor
@@ -99,7 +98,6 @@ class PeeledSamples:
     labels: torch.Tensor = None  # type: ignore[assignment]  # filled in __post_init__
     weights: torch.Tensor = None  # type: ignore[assignment]
     strong: torch.Tensor = None  # type: ignore[assignment]
-    misfit: torch.Tensor = None  # type: ignore[assignment]
 
     def __post_init__(self) -> None:
         f, device = self.directions.shape[0], self.directions.device
@@ -109,8 +107,6 @@ class PeeledSamples:
             self.weights = torch.full((f,), float("nan"), dtype=self.directions.dtype, device=device)
         if self.strong is None:
             self.strong = torch.zeros(f, dtype=torch.bool, device=device)
-        if self.misfit is None:
-            self.misfit = torch.full((f,), float("nan"), dtype=torch.float64, device=device)
 
     @classmethod
     def empty(
@@ -132,7 +128,6 @@ class PeeledSamples:
         self.labels = torch.cat([self.labels, other.labels])
         self.weights = torch.cat([self.weights, other.weights])
         self.strong = torch.cat([self.strong, other.strong])
-        self.misfit = torch.cat([self.misfit, other.misfit])
         if self.next_grad_outputs is not None and other.next_grad_outputs is not None:
             self.next_grad_outputs = torch.cat([self.next_grad_outputs, other.next_grad_outputs])
 
@@ -147,7 +142,6 @@ class PeeledSamples:
             self.labels[keep],
             self.weights[keep],
             self.strong[keep],
-            self.misfit[keep],
         )
 
 

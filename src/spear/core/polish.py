@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import torch
 
 from spear.core.deadline import NEVER, Deadline
-from spear.core.filtering import kernel_of_rows
+from spear.core.filtering import kernel_of_rows, zero_mask
 
 #: the polished kernel takes as zero only entries at most this times ``zero_rtol`` of the
 #: column's largest (float32: 1e-5; float64: 1e-10)
@@ -73,18 +73,16 @@ def polish_directions(
     if b < 2:
         return Polished.unchanged(Qbar)
     q = (Qbar.T / Qbar.T.norm(dim=1, keepdim=True)).to(L.dtype)
-    values = (q @ L.T).abs()
-    peak = values.amax(dim=1, keepdim=True)
-    mask = values <= zero_rtol * peak
-    tight = values <= POLISH_FRACTION * zero_rtol * peak
+    values = q @ L.T
+    mask = zero_mask(values, zero_rtol)
+    tight = zero_mask(values, POLISH_FRACTION * zero_rtol)
     eligible = (tight.sum(dim=1) >= b) & (everywhere | (tight != mask).any(dim=1))
     todo = eligible.nonzero()[:, 0]
     if not todo.numel():
         return Polished.unchanged(Qbar)
     kernel, one_dim, robust = kernel_of_rows(L, tight[todo], deadline)
     kernel = kernel * torch.sign((kernel * q[todo]).sum(dim=1, keepdim=True))
-    fresh = (kernel @ L.T).abs()
-    still_zero = (fresh <= zero_rtol * fresh.amax(dim=1, keepdim=True)) | ~mask[todo]
+    still_zero = zero_mask(kernel @ L.T, zero_rtol) | ~mask[todo]
     turn = (kernel - q[todo]).norm(dim=1)
     small_turn = turn <= min(POLISH_TURN * zero_rtol, MAX_TURN)
     ok = one_dim & still_zero.all(dim=1) & small_turn & torch.isfinite(turn) & (kernel.norm(dim=1) > 0.5)

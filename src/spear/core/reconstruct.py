@@ -518,7 +518,6 @@ class _Attack:
         # labels only from a discriminative fit (a sign-only one assumes the loss)
         samples.labels = torch.where(samples.strong, cert.labels.to(ok.device), -1)
         samples.weights = torch.where(ok, cert.weights.to(samples.weights), torch.nan)
-        samples.misfit = torch.where(ok, cert.misfit.to(samples.misfit), torch.nan)
         # with a model, a sample counts only if it fits it as one sample: a column whose weight
         # is a multiple of one sample's stands for several (only their mean is determined), one
         # no label fits may be a merge of samples the layer cannot separate, and a saturated one
@@ -737,7 +736,7 @@ class _Attack:
         known.strong[ok] = peeled.strong[index][ok]
         known.labels[ok] = labels[ok]
         known.weights[ok] = weights[ok].to(known.weights)
-        known.misfit[ok] = peeled.misfit[index][ok].to(known.misfit)
+        known.misfit[ok] = float("nan")  # issued earlier, not recomputed (the audit re-certifies)
         return known
 
     # --- the loop ---------------------------------------------------------------------------

@@ -93,7 +93,6 @@ def as_output_samples(samples: PeeledSamples) -> PeeledSamples:
         samples.labels,
         samples.weights,
         samples.strong,
-        samples.misfit,
     )
 
 

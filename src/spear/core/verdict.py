@@ -33,7 +33,7 @@ from spear.core.certificate import (
     infer_aggregate,
     infer_reduction,
 )
-from spear.core.consistency import Determinacy, Tolerances, ambiguous_groups
+from spear.core.consistency import Determinacy, Tolerances, ambiguous_groups, rounding_map
 from spear.core.filtering import rounding_error, zero_mask
 from spear.core.greedy import Selection
 from spear.core.verify import Verification
@@ -305,15 +305,15 @@ def data_precision(singular_values: torch.Tensor, directions: torch.Tensor, eps:
     coordinate, where ``L = U S^1/2`` and ``R = S^1/2 V^T`` carry ``sqrt(s_i)``)."""
     b = directions.shape[0]
     S = singular_values.detach().to(torch.float64).cpu()
-    noise = max(float(S[b]) if b < S.numel() else 0.0, eps * float(S[0]))
-    root = S[:b].clamp_min(torch.finfo(torch.float64).tiny).sqrt()
-    Q = directions.detach().to(torch.float64).cpu()
     tiny = torch.finfo(torch.float64).tiny
-    column = (noise / root[:, None] * Q).norm(dim=0) / (root[:, None] * Q).norm(dim=0).clamp_min(tiny)
+    error = torch.diagonal(rounding_map(S, b, eps))  # noise / sqrt(s_i)
+    root = S[:b].clamp_min(tiny).sqrt()
+    Q = directions.detach().to(torch.float64).cpu()
+    column = (error[:, None] * Q).norm(dim=0) / (root[:, None] * Q).norm(dim=0).clamp_min(tiny)
     dual, info = torch.linalg.inv_ex(Q)
     if int(info):  # singular: nothing is known beyond the tolerance
         return torch.full((b,), torch.inf, dtype=torch.float64)
-    row = (dual * (noise / root)[None]).norm(dim=1) / (dual * root[None]).norm(dim=1).clamp_min(tiny)
+    row = (dual * error[None]).norm(dim=1) / (dual * root[None]).norm(dim=1).clamp_min(tiny)
     return (column + row).nan_to_num(torch.inf)
 
 

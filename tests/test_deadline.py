@@ -80,6 +80,34 @@ def test_next_layer_proposer_stops_at_the_deadline():
     assert late.n_drawn == 0 and late.directions.shape[0] == 0
 
 
+def test_irls_proposer_stops_at_the_deadline():
+    """One IRLS call refines 64 starts over 80 iterations: 2.4 s at m = 500, b = 64 in input
+    mode, which ran an attack 1.6 s past a 30 s budget (realism matrix). Past the deadline the
+    call stops between iterations and proposes nothing."""
+    from spear.core.proposers.sparse_recovery import SparseRecoveryProposer, irls_sphere
+
+    _, problem, *_ = _client(40, 400)
+
+    def ctx(deadline):
+        return ProposalContext(
+            L=problem.L,
+            batch_size=40,
+            threshold_count=150,
+            generator=torch.Generator().manual_seed(0),
+            proposal_dtype=torch.float32,
+            found=problem.L.new_empty(0, 40),
+            problem=problem,
+            deadline=deadline,
+        )
+
+    on_time = SparseRecoveryProposer(starts_per_call=8, iterations=5).propose(ctx(NEVER), 10_000)
+    assert on_time.n_drawn > 0 and on_time.directions.shape[0] > 0
+    late = SparseRecoveryProposer(starts_per_call=8, iterations=5).propose(ctx(PASSED), 10_000)
+    assert late.n_drawn == 0 and late.directions.shape[0] == 0
+    U = torch.linalg.qr(problem.L)[0]
+    assert irls_sphere(U, U[:3].clone(), 5, deadline=PASSED) is None
+
+
 def test_attack_reports_a_time_budget_stop():
     client = make_client(20, width=200, seed=3)
     rec = spear.reconstruct(*client.layer_args(), time_budget=1e-9, seed=0)

@@ -17,6 +17,7 @@ import math
 
 import torch
 
+from spear.core.deadline import NEVER, Deadline
 from spear.core.proposers.base import (
     DirectionProposer,
     ProposalBatch,
@@ -42,7 +43,8 @@ def irls_sphere(
     shrink: float = 0.88,
     start_quantile: float = 0.5,
     solver: str = "eigh",
-) -> torch.Tensor:
+    deadline: Deadline = NEVER,
+) -> torch.Tensor | None:
     """Batched IRLS with smoothing continuation for ``min ||U p||_1`` s.t. ``||p|| = 1``.
 
     Each step minimises ``sum_r w_r (U_r p)^2`` with ``w_r = 1 / sqrt((U_r p)^2 + delta^2)``,
@@ -53,12 +55,15 @@ def irls_sphere(
     one closest to the iterate), then renormalises. ``delta`` starts at the ``start_quantile`` of
     ``|U p|`` and shrinks by ``shrink`` per step: the smoothed early steps see the global sparse
     structure instead of stalling at a vertex with only b-1 zeros, which plain IRLS
-    (``delta`` ~ 0) does on image data.
+    (``delta`` ~ 0) does on image data. None once ``deadline`` passes between iterations (a
+    wide layer's call takes seconds: the time budget is kept, the unfinished starts are lost).
     """
     p = starts / starts.norm(dim=1, keepdim=True)
     r = (p @ U.T).abs()
     delta = r.quantile(start_quantile, dim=1, keepdim=True)
     for _ in range(iterations):
+        if deadline.passed():
+            return None
         r = (p @ U.T).abs()
         w = 1.0 / torch.sqrt(r**2 + delta**2)
         gram = (U.T.unsqueeze(0) * w.unsqueeze(1)) @ U  # (S, b, b) = U^T diag(w) U
@@ -207,7 +212,12 @@ class SparseRecoveryProposer(DirectionProposer):
         starts = self._starts(ctx, self.starts_for(m, b))
         # IRLS only has to land near a direction (snapping is exact, in float64): draft it in the
         # proposal dtype, 2-3x faster in float32
-        p = irls_sphere(U.to(ctx.proposal_dtype), starts.to(ctx.proposal_dtype), self.iterations).to(U.dtype)
+        drafted = irls_sphere(
+            U.to(ctx.proposal_dtype), starts.to(ctx.proposal_dtype), self.iterations, deadline=ctx.deadline
+        )
+        if drafted is None:  # the time budget ran out mid-call
+            return ProposalBatch(torch.empty(0, b, dtype=U.dtype, device=U.device), n_drawn=0)
+        p = drafted.to(U.dtype)
         q = torch.linalg.solve_triangular(T, p.T, upper=True).T  # back to L coordinates
         q = q / q.norm(dim=1, keepdim=True)
         if ctx.found.shape[0]:  # skip directions already in the pool

@@ -59,24 +59,25 @@ def test_greedy_sweeps_stop_at_the_deadline():
     assert bool((cut == -1.0).all())
 
 
+def _context(problem, deadline: Deadline) -> ProposalContext:
+    """A proposal context on the 40-sample client's problem with this deadline."""
+    return ProposalContext(
+        L=problem.L,
+        batch_size=40,
+        threshold_count=150,
+        generator=torch.Generator().manual_seed(0),
+        proposal_dtype=torch.float32,
+        found=problem.L.new_empty(0, 40),
+        problem=problem,
+        deadline=deadline,
+    )
+
+
 def test_next_layer_proposer_stops_at_the_deadline():
     _, problem, *_ = _client(40, 400)
-
-    def ctx(deadline):
-        return ProposalContext(
-            L=problem.L,
-            batch_size=40,
-            threshold_count=150,
-            generator=torch.Generator().manual_seed(0),
-            proposal_dtype=torch.float32,
-            found=problem.L.new_empty(0, 40),
-            problem=problem,
-            deadline=deadline,
-        )
-
-    on_time = NextLayerProposer().propose(ctx(NEVER), 10_000)
+    on_time = NextLayerProposer().propose(_context(problem, NEVER), 10_000)
     assert on_time.n_drawn > 0 and on_time.directions.shape[0] > 0
-    late = NextLayerProposer().propose(ctx(PASSED), 10_000)
+    late = NextLayerProposer().propose(_context(problem, PASSED), 10_000)
     assert late.n_drawn == 0 and late.directions.shape[0] == 0
 
 
@@ -87,22 +88,10 @@ def test_irls_proposer_stops_at_the_deadline():
     from spear.core.proposers.sparse_recovery import SparseRecoveryProposer, irls_sphere
 
     _, problem, *_ = _client(40, 400)
-
-    def ctx(deadline):
-        return ProposalContext(
-            L=problem.L,
-            batch_size=40,
-            threshold_count=150,
-            generator=torch.Generator().manual_seed(0),
-            proposal_dtype=torch.float32,
-            found=problem.L.new_empty(0, 40),
-            problem=problem,
-            deadline=deadline,
-        )
-
-    on_time = SparseRecoveryProposer(starts_per_call=8, iterations=5).propose(ctx(NEVER), 10_000)
+    proposer = SparseRecoveryProposer(starts_per_call=8, iterations=5)
+    on_time = proposer.propose(_context(problem, NEVER), 10_000)
     assert on_time.n_drawn > 0 and on_time.directions.shape[0] > 0
-    late = SparseRecoveryProposer(starts_per_call=8, iterations=5).propose(ctx(PASSED), 10_000)
+    late = SparseRecoveryProposer(starts_per_call=8, iterations=5).propose(_context(problem, PASSED), 10**4)
     assert late.n_drawn == 0 and late.directions.shape[0] == 0
     U = torch.linalg.qr(problem.L)[0]
     assert irls_sphere(U, U[:3].clone(), 5, deadline=PASSED) is None

@@ -277,6 +277,12 @@ def attack(
         table.add_row("verified", f"{record['verified']}{verified_by}")
     table.add_row("sigma", _fmt(record["sigma"], 6))
     table.add_row("residual", f"{record['residual']:.2e}")
+    precision = record.get("input_precision")
+    if precision:
+        ranked = sorted(precision)
+        table.add_row(
+            "input precision (estimated)", f"median {ranked[len(ranked) // 2]:.1e}, worst {ranked[-1]:.1e}"
+        )
     st = record["stats"]
     table.add_row("proposals", f"{st['proposals']:,}")
     table.add_row("candidates", str(st["candidates"]))

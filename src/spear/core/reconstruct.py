@@ -937,6 +937,7 @@ def finish(
             directions=selection.Qbar,
             scales=selection.scales,
             message=message,
+            input_precision=setup.sample_precision(selection.Qbar),
             **common,
         )
     if verdict.consistent:
@@ -959,6 +960,7 @@ def finish(
         directions=selection.Qbar,
         scales=selection.scales,
         message=message,
+        input_precision=setup.sample_precision(selection.Qbar),
         labels=verdict.labels,
         multiplicities=verdict.reduction.multiplicities,
         reduction=verdict.reduction.reduction,

@@ -148,6 +148,14 @@ class Reconstruction:
         certified_labels: (f,) labels of ``certified_inputs`` (-1 where unknown), or None.
         notes: further remarks (e.g. that the model's certificate fits no sample, or that the
             columns are too dense for the sparsity filter).
+        input_precision: (b,) how precisely the gradient determines each sample of ``inputs``,
+            relative to its size, given its direction: the rounding (or noise) of the gradient
+            carried into its column of dL/dZ and its input, to first order
+            (:func:`spear.core.verdict.data_precision`). An estimate, not a bound: over 17
+            batches (float32 and float64, MLP and CNN feature layers, both sparsity modes,
+            trained and untrained, b = 16-64) every input's relative error was at most 1.6
+            times it (medians 0.02-0.4). Faint samples (well classified: a small gradient) are
+            known less precisely than the others. None without a complete batch.
     """
 
     inputs: torch.Tensor | None
@@ -174,6 +182,7 @@ class Reconstruction:
     notes: tuple[str, ...] = ()
     client_batch_size: int | None = None
     missing_samples: int | None = None
+    input_precision: torch.Tensor | None = None
 
     def summary(self) -> dict:
         """JSON-ready summary (no tensors)."""
@@ -196,6 +205,9 @@ class Reconstruction:
             "client_batch_size": self.client_batch_size,
             "missing_samples": self.missing_samples,
             "ambiguous": [list(g) for g in self.ambiguous],
+            "input_precision": None
+            if self.input_precision is None
+            else [float(f"{v:.3g}") for v in self.input_precision.tolist()],
             "mode": self.mode,
             "message": self.message,
             "notes": list(self.notes),

@@ -233,6 +233,7 @@ def run_experiment(settings: ExperimentSettings, progress=None) -> ExperimentRes
         "notes": list(rec.notes) + ([] if inversion is None else inversion.notes),
         "residual": rec.residual,
         "sigma": rec.sigma,
+        "input_precision": rec.summary()["input_precision"],
         "recovered_batch_size": rec.batch_size,
         "consistent_directions": rec.consistent_directions,
         "message": rec.message,

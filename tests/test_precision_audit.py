@@ -185,7 +185,7 @@ def test_the_audit_never_goes_below_float64s_tolerance(client, monkeypatch):
     assert verdict.verified_by == "model" and not calls
 
 
-def test_the_api_turns_the_audit_off_for_a_tolerance_the_user_sets(monkeypatch):
+def test_the_api_turns_the_audit_off_when_asked_or_for_a_tolerance_the_user_sets(monkeypatch):
     import spear.api
 
     captured = {}
@@ -197,7 +197,8 @@ def test_the_api_turns_the_audit_off_for_a_tolerance_the_user_sets(monkeypatch):
     monkeypatch.setattr(spear.api, "reconstruct", stop)
     model = fully_connected(20, 30, 2, seed=0, dtype=torch.float32)
     grads = {name: torch.ones_like(p) for name, p in model.named_parameters()}
-    for extra, models in (({}, True), ({"verify_rtol": 1e-3}, False)):
+    cases = (({}, True), ({"verify_rtol": 1e-3}, False), ({"precision_audit": False}, False))
+    for extra, models in cases:
         with pytest.raises(RuntimeError, match="stopped"):
             spear.api.attack_layer(model, "0", grads, **extra)
         assert captured["certifier"].models_rounding is models

@@ -248,6 +248,7 @@ def attack_layer(
     certify: bool = True,
     loss: str | Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = "cross_entropy",
     sample_weights: SampleWeights | None = None,
+    precision_audit: bool = True,
     **options: Any,
 ) -> Reconstruction:
     """Attack one ``nn.Linear`` layer of ``model`` from the gradients the server received.
@@ -268,6 +269,11 @@ def attack_layer(
             ``spear.fl.protocols.ClippedWeights(C)``), ``f(model, inputs, labels) -> (k,)`` the
             weight of each sample up to the common 1/B; the certificate divides it out
             (:class:`spear.certify.WeightedCertifier`). Needs ``layer`` to be the model's first.
+        precision_audit: audit a model-verified batch at the precision its data and the
+            client's arithmetic give each sample (:func:`spear.core.verdict.audit_precision`).
+            Its model of the client assumes it computed in its gradient's dtype: turn it off
+            for clients that ran in less (TF32, autocast), whose correct batches it refuses.
+            A ``verify_rtol`` you set turns it off too (the tolerance is then yours).
         **options: as for :func:`reconstruct`.
 
     Returns:
@@ -319,7 +325,7 @@ def attack_layer(
         rtol = options.get("verify_rtol") or Tolerances.for_dtype(dtype).verify_rtol
         saturation = SATURATION_EPS * torch.finfo(dtype).eps
         # a tolerance the user set is theirs: the verdict's precision audit then stays off
-        client_dtype = None if options.get("verify_rtol") else dtype
+        client_dtype = dtype if precision_audit and not options.get("verify_rtol") else None
         certifier = ModelCertifier(tail, module.weight, module.bias, rtol, loss, saturation, client_dtype)
         if sample_weights is not None:
             _check_first_layer(model, layer, "sample_weights")

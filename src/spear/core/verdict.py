@@ -388,7 +388,8 @@ def _audit_problem(
             f"{float(misfit[worst]):.1e}, more than {AUDIT_SLACK:g} times what the rounding of the "
             f"data and of the client's arithmetic explains ({float(explained[audited[worst]]):.1e}): "
             "a trace of another sample's column may be mixed in, which the dtype's tolerance cannot "
-            "see (or the client computed in less than its gradient's precision: TF32, autocast)"
+            "see (or the client computed in less than its gradient's precision: TF32, autocast; then "
+            "attack with precision_audit=False)"
         )
     weights = cert.weights.to(tight).clone()
     weights[audited] = fresh.weights.to(tight)

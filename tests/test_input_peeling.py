@@ -215,3 +215,40 @@ def test_tied_features_never_certify_a_mixture(seed, tie, with_bias):
     assert _certified_rows_are_true(rec, X)
     if rec.verified:
         assert_exact(rec.inputs, X)
+
+
+@pytest.mark.parametrize("rtol", [1e-8, 1e-3])
+def test_the_kernel_screen_never_drops_a_kernel(rtol):
+    # the singleton cascade solves a kernel per candidate input (an SVD of m x b each); a Cholesky
+    # screen of the Gram matrix skips the row sets that surely have none. It must agree with the
+    # SVD everywhere: true zero sets, random sets, and sets whose smallest singular value sits
+    # right at the tolerance or at the screen's own threshold
+    from spear.core.input_peeling import SCREEN_RTOL, _kernel
+
+    g = torch.Generator().manual_seed(0)
+    m, b = 300, 40
+    columns = torch.randn(m, b, generator=g, dtype=torch.float64)
+    columns[torch.rand(m, b, generator=g) < 0.5] = 0.0  # ReLU-sparse columns of dL/dZ
+    L = columns @ torch.linalg.qr(torch.randn(b, b, generator=g, dtype=torch.float64))[0]
+    true_sets = (columns == 0).T  # each column's zero rows: a one-dimensional kernel
+    random_sets = torch.rand(60, m, generator=g) < 0.5
+    near = []  # a set whose rows nearly lose rank: the last direction scaled to s * S_max
+    for s in (0.5 * rtol, 2 * rtol, 4 * rtol, SCREEN_RTOL, 2 * SCREEN_RTOL, 4 * SCREEN_RTOL):
+        rows = random_sets[0]
+        U, S, Vh = torch.linalg.svd(L[rows], full_matrices=False)
+        S = S.clone()
+        S[-1] = s * S[0]
+        bent = L.clone()
+        bent[rows] = U @ torch.diag(S) @ Vh
+        near.append((bent, rows))
+    cases = [(L, true_sets), (L, random_sets)] + [(f, r[None]) for f, r in near]
+    for factor, sets in cases:
+        screened = _kernel(factor, sets, rtol)
+        masked = factor.unsqueeze(0) * sets.to(factor.dtype).unsqueeze(-1)
+        U, S, Vh = torch.linalg.svd(masked, full_matrices=False)
+        one_dim = (S[:, -1] <= rtol * S[:, 0]) & (S[:, -2] > rtol * S[:, 0])
+        assert torch.equal(screened[0], one_dim)
+        if bool(one_dim.any()):
+            cos = (screened[2][one_dim] * Vh[one_dim, -1, :]).sum(dim=1).abs()
+            assert bool((cos > 1 - 1e-12).all())
+    assert bool(_kernel(L, true_sets, rtol)[0].all())  # the true columns' kernels are all found

@@ -116,14 +116,15 @@ class InputSidePeeler:
         signless = z.abs() <= self.z_rtol * z.abs().amax(dim=1, keepdim=True)
         inactive = (z < 0) & ~signless
         active = (z > 0) & ~signless
-        one_dim, firm, q = _kernel(L, inactive, self.rtol)  # q: (k, b) the column's direction
+        enough = inactive.sum(dim=1) >= b
+        plausible = scaled & nonnegative & enough
+        one_dim, firm, q = _kernel(L, inactive, self.rtol, plausible)  # q: (k, b) the column's direction
         column = q @ L.T  # (k, m)
         nonzero = ~zero_mask(column, self.zero_rtol)
         # sigma = 1 for this column: zero where inactive (the kernel), nonzero where active
         pattern = ~(active & ~nonzero).any(dim=1) & ~(inactive & nonzero).any(dim=1)
         qr = (q * r).sum(dim=1)
         u = q / torch.where(qr.abs() > tiny, qr, torch.ones_like(qr)).unsqueeze(-1)
-        enough = inactive.sum(dim=1) >= b
         dual = qr.abs() > self.rtol * q.norm(dim=1) * r.norm(dim=1)  # u_j must exist
         ok = scaled & nonnegative & enough & one_dim & pattern & dual
         ok &= torch.isfinite(u).all(dim=1) & torch.isfinite(r).all(dim=1)
@@ -132,21 +133,61 @@ class InputSidePeeler:
         # the input's own zeros must pin p (a mixture of samples vanishes only where all do,
         # and there its kernel holds all of them)
         own_zeros = zero_mask(x, self.zero_rtol)
-        pinned, firm_input, _ = _kernel(problem.R.T, own_zeros, self.rtol)
+        pinned, firm_input, _ = _kernel(problem.R.T, own_zeros, self.rtol, ok)
         ok &= pinned & (own_zeros.sum(dim=1) >= b - 1)
         return ok, ok & firm & firm_input, r, u
 
 
+#: the kernel screen's relative singular value: row sets whose smallest singular value is
+#: above twice this (and twice the kernel test's tolerance) times the largest have no kernel.
+#: Its square must stay far above the rounding of a float64 Gram matrix and its Cholesky
+#: factorization (~1e-13 of its trace at m = 1000, b = 256)
+SCREEN_RTOL = 1e-6
+
+
 def _kernel(
-    factor: torch.Tensor, rows: torch.Tensor, rtol: float
+    factor: torch.Tensor, rows: torch.Tensor, rtol: float, todo: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """For k row sets (k, rows) of ``factor`` (rows x b): whether the kernel of those rows is
-    one-dimensional, whether it is also robust (no essential row), and its unit vector (k, b)."""
-    masked = factor.unsqueeze(0) * rows.to(factor.dtype).unsqueeze(-1)
+    one-dimensional, whether it is also robust (no essential row), and its unit vector (k, b;
+    zero for the sets not solved). Only the sets in ``todo`` (k,) are solved (default: all),
+    and only those :func:`_may_have_kernel` passes get an SVD (m x b: most candidate inputs of
+    the singleton cascade predict a pattern no column has, and an SVD each made its dense rounds
+    tens of seconds at m = 1000, b = 256)."""
+    k, b = rows.shape[0], factor.shape[1]
+    one_dim = torch.zeros(k, dtype=torch.bool, device=factor.device)
+    robust = torch.zeros_like(one_dim)
+    vectors = torch.zeros(k, b, dtype=factor.dtype, device=factor.device)
+    todo = torch.ones_like(one_dim) if todo is None else todo.to(one_dim.device)
+    index = todo.nonzero()[:, 0]
+    if index.numel():
+        index = index[_may_have_kernel(factor, rows[index], rtol)]
+    if not index.numel():
+        return one_dim, robust, vectors
+    masked = factor.unsqueeze(0) * rows[index].to(factor.dtype).unsqueeze(-1)
     U, S, Vh = torch.linalg.svd(masked, full_matrices=False)
-    one_dim = (S[:, -1] <= rtol * S[:, 0]) & (S[:, -2] > rtol * S[:, 0])
-    robust = ((U[:, :, :-1] ** 2).sum(dim=-1) < 1.0 - ESSENTIAL_ROW_TOL).all(dim=1)
-    return one_dim, robust, Vh[:, -1, :]
+    one_dim[index] = (S[:, -1] <= rtol * S[:, 0]) & (S[:, -2] > rtol * S[:, 0])
+    robust[index] = ((U[:, :, :-1] ** 2).sum(dim=-1) < 1.0 - ESSENTIAL_ROW_TOL).all(dim=1)
+    vectors[index] = Vh[:, -1, :]
+    return one_dim, robust, vectors
+
+
+def _may_have_kernel(factor: torch.Tensor, rows: torch.Tensor, rtol: float) -> torch.Tensor:
+    """(k,) False for row sets whose rows of ``factor`` surely have no kernel at tolerance
+    ``rtol``: ``G - tau I`` is positive definite (a Cholesky factorization succeeds) for their
+    Gram matrix ``G`` (in float64) and ``tau = (2 max(rtol, SCREEN_RTOL))^2 trace(G)``, so the
+    smallest singular value exceeds about twice that tolerance times ``sqrt(trace G)``, which
+    is at least the largest singular value. The rounding of G and of its factorization, far
+    below tau, cannot turn a kernel into a pass. The Gram matrix and a Cholesky cost about a
+    seventh of the SVD."""
+    f = factor.to(torch.float64)
+    weights = rows.to(f.dtype).unsqueeze(1)  # (k, 1, rows)
+    gram = (f.T.unsqueeze(0) * weights) @ f  # (k, b, b)
+    trace = torch.diagonal(gram, dim1=1, dim2=2).sum(dim=1)
+    tau = (2.0 * max(rtol, SCREEN_RTOL)) ** 2 * trace
+    eye = torch.eye(gram.shape[1], dtype=gram.dtype, device=gram.device)
+    _, info = torch.linalg.cholesky_ex(gram - tau[:, None, None] * eye)
+    return info != 0
 
 
 __all__ = ["InputSidePeeler"]

@@ -97,6 +97,20 @@ def test_irls_proposer_stops_at_the_deadline():
     assert irls_sphere(U, U[:3].clone(), 5, deadline=PASSED) is None
 
 
+def test_the_sparsity_probe_stops_at_the_deadline_and_concludes_nothing():
+    """The probe snaps every hint of its two proposer calls (an SVD each): photos32 b = 256 ran
+    56 s past a 240 s budget in it. Cut short, it must not read its missing evidence as a dense
+    gradient (that raises NoSparsityError) or as columns too sparse for the threshold."""
+    from spear.core.diagnosis import probe_sparse_directions
+
+    _, problem, *_ = _client(40, 400)
+    on_time = probe_sparse_directions(_context(problem, NEVER), 1e-9, 1e-12, None)
+    assert on_time.probed and on_time.snapped.directions.shape[0] > 0
+    late = probe_sparse_directions(_context(problem, PASSED), 1e-9, 1e-12, None)
+    assert not late.probed and late.snapped.directions.shape[0] == 0
+    assert not late.looks_dense(40, problem.L.shape[0])
+
+
 def test_attack_reports_a_time_budget_stop():
     client = make_client(20, width=200, seed=3)
     rec = spear.reconstruct(*client.layer_args(), time_budget=1e-9, seed=0)

@@ -57,7 +57,7 @@ class ProbeResult:
 
     snapped: SnapResult
     sparsest: int
-    probed: bool = True  # False when no proposer suits this batch (nothing can be concluded)
+    probed: bool = True  # False when no proposer suits this batch or the deadline cut it short
 
     def looks_dense(self, b: int, rows: int) -> bool:
         if not self.probed:
@@ -68,7 +68,8 @@ class ProbeResult:
 def probe_sparse_directions(
     ctx: ProposalContext, zero_rtol: float, zero_floor: float, known: torch.Tensor | None
 ) -> ProbeResult:
-    """Exact directions from one IRLS and one neuron-guided call (see the module doc)."""
+    """Exact directions from one IRLS and one neuron-guided call (see the module doc). Past
+    ``ctx.deadline`` it stops between and within them, and its result is not ``probed``."""
     calls: list[DirectionProposer] = []
     output_side = ctx.problem is None or ctx.problem.mode == "output"
     if ctx.batch_size <= (IRLS_PROBE_MAX_BATCH if output_side else INPUT_PROBE_MAX_BATCH):
@@ -78,6 +79,8 @@ def probe_sparse_directions(
     found: list[SnapResult] = []
     sparsest = 0
     for proposer in calls:
+        if ctx.deadline.passed():
+            break
         batch = proposer.propose(ctx, 1 << 30)
         # every direction the hints define, whatever its sparsity: the filter comes after
         loose = snap_and_filter(
@@ -88,15 +91,19 @@ def probe_sparse_directions(
             zero_rtol,
             known_masks=known,
             zero_floor=zero_floor,
+            deadline=ctx.deadline,  # one SVD per hint: tens of seconds at m = 1000, b = 256
         )
         if loose.zero_counts.numel():
             sparsest = max(sparsest, int(loose.zero_counts.max()))
         found.append(loose)
+    # a probe the time budget cut short keeps the exact directions it finished, but its
+    # evidence is incomplete: it concludes nothing (not "dense", not "too sparse for tau")
+    complete = bool(calls) and not ctx.deadline.passed()
     if not found:
         nothing = ctx.L.new_empty(0, ctx.batch_size)
         empty = snap_and_filter(ctx.L, nothing, None, ctx.threshold_count, zero_rtol)
-        return ProbeResult(empty, 0, probed=bool(calls))
-    return ProbeResult(SnapResult.concat(found), sparsest)
+        return ProbeResult(empty, 0, probed=complete)
+    return ProbeResult(SnapResult.concat(found), sparsest, probed=complete)
 
 
 def no_sparsity_message(b: int, rows: int, mode: str, calls: int, rank: int | None = None) -> str:

@@ -241,7 +241,15 @@ def test_the_kernel_screen_never_drops_a_kernel(rtol):
         bent = L.clone()
         bent[rows] = U @ torch.diag(S) @ Vh
         near.append((bent, rows))
-    cases = [(L, true_sets), (L, random_sets)] + [(f, r[None]) for f, r in near]
+    # the bound is tight when one singular value dominates (sqrt(trace G) ~ S_max): singular
+    # values 1, 1.5 rtol, ..., and 0.9 rtol last, a kernel at the tolerance's edge
+    U = torch.linalg.qr(torch.randn(m, b, generator=g, dtype=torch.float64))[0]
+    V = torch.linalg.qr(torch.randn(b, b, generator=g, dtype=torch.float64))[0]
+    spectrum = torch.full((b,), 1.5 * rtol, dtype=torch.float64)
+    spectrum[0], spectrum[-1] = 1.0, 0.9 * rtol
+    dominant = (U * spectrum) @ V.T
+    everything = torch.ones(1, m, dtype=torch.bool)
+    cases = [(L, true_sets), (L, random_sets), (dominant, everything)] + [(f, r[None]) for f, r in near]
     for factor, sets in cases:
         screened = _kernel(factor, sets, rtol)
         masked = factor.unsqueeze(0) * sets.to(factor.dtype).unsqueeze(-1)
@@ -252,3 +260,5 @@ def test_the_kernel_screen_never_drops_a_kernel(rtol):
             cos = (screened[2][one_dim] * Vh[one_dim, -1, :]).sum(dim=1).abs()
             assert bool((cos > 1 - 1e-12).all())
     assert bool(_kernel(L, true_sets, rtol)[0].all())  # the true columns' kernels are all found
+    assert bool(_kernel(dominant, everything, rtol)[0].all())
+    assert bool(_kernel(dominant * 1e-160, everything, rtol)[0].all())  # no underflow in the screen

@@ -41,8 +41,24 @@ def test_input_precision_is_the_scale_of_each_samples_error(dtype, steps, worst)
     # every error at most 1.6 times its estimate
     assert bool((errors <= 3.0 * precision).all()), (errors / precision).max()
     assert float(precision.max()) <= worst  # the dtype's scale, not a blanket bound
-    assert float((errors / precision).max()) >= 1e-3  # an estimate of this error, not a ceiling
+    assert float((errors / precision).max()) >= 1e-2  # an estimate of this error, not a ceiling
     assert rec.summary()["input_precision"] == pytest.approx(precision.tolist(), rel=1e-2)
+
+
+def test_no_precision_for_a_batch_not_verified():
+    # the estimate assumes the directions are right: a consistent batch the layer alone cannot
+    # verify (a shared pattern: x1 = x0 + 1e-3 noise) gets none
+    mnist = load_dataset("mnist")
+    model = fully_connected(mnist.features, 300, 3, seed=4)
+    _, truth = simulate_fedsgd(model, mnist, 8, seed=4)
+    x = truth.inputs.reshape(8, -1).double()
+    x[1] = x[0] + 1e-3 * torch.randn(x.shape[1], generator=torch.Generator().manual_seed(0), dtype=x.dtype)
+    loss = torch.nn.functional.cross_entropy(model(x), truth.labels)
+    names = [name for name, _ in model.named_parameters()]
+    grads = dict(zip(names, torch.autograd.grad(loss, list(model.parameters())), strict=True))
+    rec = spear.attack_layer(model, "0", grads, seed=0, max_proposals=50_000, certify=False)
+    assert rec.inputs is not None and not rec.verified, rec.message
+    assert rec.input_precision is None
 
 
 def test_no_precision_without_a_batch():

@@ -273,7 +273,9 @@ def attack_layer(
             client's arithmetic give each sample (:func:`spear.core.verdict.audit_precision`).
             Its model of the client assumes it computed in its gradient's dtype: turn it off
             for clients that ran in less (TF32, autocast), whose correct batches it refuses.
-            A ``verify_rtol`` you set turns it off too (the tolerance is then yours).
+            A ``verify_rtol`` you set turns it off too (the tolerance is then yours). Without
+            the model certificate (``certify=False``, or a ``certifier`` of your own) there is
+            no audit.
         **options: as for :func:`reconstruct`.
 
     Returns:

@@ -280,9 +280,8 @@ def attack(
     precision = record.get("input_precision")
     if precision:
         ranked = sorted(precision)
-        table.add_row(
-            "input precision (estimated)", f"median {ranked[len(ranked) // 2]:.1e}, worst {ranked[-1]:.1e}"
-        )
+        summary = f"median {ranked[len(ranked) // 2]:.1e}, worst {ranked[-1]:.1e}"
+        table.add_row("layer-input precision (estimated)", summary)
     st = record["stats"]
     table.add_row("proposals", f"{st['proposals']:,}")
     table.add_row("candidates", str(st["candidates"]))

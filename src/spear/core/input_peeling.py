@@ -181,6 +181,7 @@ def _may_have_kernel(factor: torch.Tensor, rows: torch.Tensor, rtol: float) -> t
     below tau, cannot turn a kernel into a pass. The Gram matrix and a Cholesky cost about a
     seventh of the SVD."""
     f = factor.to(torch.float64)
+    f = f / f.abs().amax().clamp_min(torch.finfo(f.dtype).tiny)  # no underflow in the Gram matrix
     weights = rows.to(f.dtype).unsqueeze(1)  # (k, 1, rows)
     gram = (f.T.unsqueeze(0) * weights) @ f  # (k, b, b)
     trace = torch.diagonal(gram, dim1=1, dim2=2).sum(dim=1)

@@ -937,7 +937,6 @@ def finish(
             directions=selection.Qbar,
             scales=selection.scales,
             message=message,
-            input_precision=setup.sample_precision(selection.Qbar),
             **common,
         )
     if verdict.consistent:
@@ -960,7 +959,8 @@ def finish(
         directions=selection.Qbar,
         scales=selection.scales,
         message=message,
-        input_precision=setup.sample_precision(selection.Qbar),
+        # how precisely the data give each sample says nothing of a batch not proven right
+        input_precision=setup.sample_precision(selection.Qbar) if verdict.verified else None,
         labels=verdict.labels,
         multiplicities=verdict.reduction.multiplicities,
         reduction=verdict.reduction.reduction,

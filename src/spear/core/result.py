@@ -148,14 +148,15 @@ class Reconstruction:
         certified_labels: (f,) labels of ``certified_inputs`` (-1 where unknown), or None.
         notes: further remarks (e.g. that the model's certificate fits no sample, or that the
             columns are too dense for the sparsity filter).
-        input_precision: (b,) how precisely the gradient determines each sample of ``inputs``,
-            relative to its size, given its direction: the rounding (or noise) of the gradient
-            carried into its column of dL/dZ and its input, to first order
-            (:func:`spear.core.verdict.data_precision`). An estimate, not a bound: over 17
-            batches (float32 and float64, MLP and CNN feature layers, both sparsity modes,
-            trained and untrained, b = 16-64) every input's relative error was at most 1.6
-            times it (medians 0.02-0.4). Faint samples (well classified: a small gradient) are
-            known less precisely than the others. None without a complete batch.
+        input_precision: (b,) for a verified batch, how precisely the gradient determines
+            each sample of ``inputs``, relative to its size: the rounding (or noise) of the
+            gradient carried into its column of dL/dZ and its input, to first order
+            (:func:`spear.core.verdict.data_precision`). An estimate, not a bound: over 16
+            verified batches (``benchmarks/bench_precision.py``: float32 and float64, MLP and
+            CNN feature layers, both sparsity modes, trained and untrained, b = 16-64) every
+            input's relative error was at most 1.6 times it. Faint samples (well classified: a
+            small gradient) are known less precisely than the others. None when the batch is
+            not verified: the estimate assumes the directions are right.
     """
 
     inputs: torch.Tensor | None

@@ -88,11 +88,16 @@ def fast_ica(
     iterations: int = 200,
     contrast: str = "logcosh",
     tol: float = 1e-7,
+    deadline: Deadline = NEVER,
 ) -> torch.Tensor:
-    """Symmetric FastICA on white data X (samples x b); returns the unmixing rows (b x b)."""
+    """Symmetric FastICA on white data X (samples x b); returns the unmixing rows (b x b),
+    orthonormal at every iteration: past ``deadline`` the current ones (IRLS refines them as
+    starts, or stops at once itself)."""
     b = X.shape[1]
     W = torch.linalg.qr(torch.randn(b, b, generator=generator, dtype=X.dtype).to(X.device))[0]
     for _ in range(iterations):
+        if deadline.passed():
+            break
         Y = X @ W.T
         if contrast == "logcosh":
             g, dg = torch.tanh(Y), 1 - torch.tanh(Y) ** 2
@@ -156,7 +161,7 @@ class SparseRecoveryProposer(DirectionProposer):
         self.U, self.T = whiten(ctx.L)
         X = self.U * math.sqrt(self.U.shape[0])  # white: unit variance per coordinate
         self._queue = [
-            fast_ica(X, ctx.generator, contrast="logcosh" if i % 2 == 0 else "exp")
+            fast_ica(X, ctx.generator, contrast="logcosh" if i % 2 == 0 else "exp", deadline=ctx.deadline)
             for i in range(self.ica_restarts)
         ]
 
@@ -184,6 +189,7 @@ class SparseRecoveryProposer(DirectionProposer):
                     self.U @ basis * math.sqrt(self.U.shape[0]),
                     ctx.generator,
                     contrast="logcosh" if self._calls % 4 == 0 else "exp",
+                    deadline=ctx.deadline,
                 )
                 parts.append(W_c @ basis.T)
                 have += W_c.shape[0]

@@ -23,7 +23,7 @@ from bench_realism import SETTINGS, build
 from common import machine, write_json
 from spear.data import load_dataset
 from spear.fl import feature_layer, layer_inputs, pretrain, simulate_fedsgd
-from spear.metrics import match_samples
+from spear.metrics import relative_errors
 
 #: (setting, dtype bits, training steps, b, seed)
 CASES = [
@@ -47,16 +47,6 @@ CASES = [
 ]
 
 
-def relative_errors(rec, truth: torch.Tensor) -> torch.Tensor:
-    """(b,) each recovered input's error relative to its true sample's norm, in recovery order."""
-    inputs = rec.inputs.double()
-    est, ref = match_samples(inputs, truth)
-    errors = torch.full((truth.shape[0],), torch.nan, dtype=torch.float64)
-    for e, r in zip(est, ref, strict=True):
-        errors[e] = (inputs[e] - truth[r]).norm() / truth[r].norm().clamp_min(1e-300)
-    return errors
-
-
 def one(dataset, setting: str, bits: int, steps: int, b: int, seed: int, budget: float) -> dict:
     dtype = torch.float64 if bits == 64 else torch.float32
     arch, layer, sparsity = SETTINGS[setting]
@@ -74,7 +64,7 @@ def one(dataset, setting: str, bits: int, steps: int, b: int, seed: int, budget:
     if rec.input_precision is None:
         return row
     precision = rec.input_precision.double()
-    ratio = relative_errors(rec, inputs) / precision
+    ratio = relative_errors(rec.inputs, inputs) / precision
     row.update(
         precision_median=float(precision.median()),
         precision_max=float(precision.max()),

@@ -128,3 +128,16 @@ def test_feature_metrics_match_a_numpy_reference():
     assert {m.name for m in metrics_for("features")} == {"feature_cosine", "feature_error"}
     with pytest.raises(InputError, match=r"\(B, n\)"):
         FeatureCosine()(estimate[None], truth[None])
+
+
+def test_relative_errors_follow_the_estimates_order_after_matching():
+    from spear.metrics import relative_errors
+
+    g = torch.Generator().manual_seed(0)
+    truth = torch.randn(5, 7, generator=g, dtype=torch.float64)
+    noise = torch.tensor([1e-3, 0.0, 2e-2, 1e-6, 5e-4], dtype=torch.float64)
+    order = torch.tensor([3, 0, 4, 1, 2])  # the estimate holds truth[order] perturbed
+    direction = torch.randn(5, 7, generator=g, dtype=torch.float64)
+    direction = direction / direction.norm(dim=1, keepdim=True)
+    estimate = truth[order] + noise[:, None] * truth[order].norm(dim=1, keepdim=True) * direction
+    assert torch.allclose(relative_errors(estimate, truth), noise, rtol=1e-9, atol=1e-15)

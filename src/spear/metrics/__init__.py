@@ -6,7 +6,7 @@ reconstruction to the ground truth (Hungarian assignment) and applies them.
 """
 
 from spear.metrics.base import METRICS, Metric, get_metric, metrics_for
-from spear.metrics.evaluate import BatchEvaluation, evaluate_batch, match_samples
+from spear.metrics.evaluate import BatchEvaluation, evaluate_batch, match_samples, relative_errors
 from spear.metrics.features import FeatureCosine, FeatureError
 from spear.metrics.image import MSE, PSNR, SSIM, batch_exact
 from spear.metrics.lpips import LPIPS, lpips_available
@@ -30,4 +30,5 @@ __all__ = [
     "lpips_available",
     "match_samples",
     "metrics_for",
+    "relative_errors",
 ]

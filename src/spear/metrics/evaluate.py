@@ -19,6 +19,17 @@ def match_samples(estimate: torch.Tensor, reference: torch.Tensor) -> tuple[np.n
     return linear_sum_assignment(cost.cpu().numpy())
 
 
+def relative_errors(estimate: torch.Tensor, reference: torch.Tensor) -> torch.Tensor:
+    """(k,) each estimated sample's error relative to its matched true sample's norm
+    (:func:`match_samples`), in the estimate's order; NaN for a sample left unmatched."""
+    est, ref = match_samples(estimate, reference)
+    x, y = estimate.flatten(1).double(), reference.flatten(1).double()
+    errors = torch.full((x.shape[0],), torch.nan, dtype=torch.float64)
+    for e, r in zip(est, ref, strict=True):
+        errors[e] = (x[e] - y[r]).norm() / y[r].norm().clamp_min(torch.finfo(y.dtype).tiny)
+    return errors
+
+
 @dataclass
 class BatchEvaluation:
     """Per-sample values (after matching) and batch means; lpips is NaN when unavailable."""

@@ -54,7 +54,12 @@ from spear.core.proposers import (
 from spear.core.result import AttackOptions, AttackStats, ProgressEvent, Reconstruction
 from spear.core.scale import LayerProblem
 from spear.core.search import ResidualSearch, lift
-from spear.core.singletons import as_input_problem, as_output_samples, singleton_candidates
+from spear.core.singletons import (
+    as_input_problem,
+    as_output_samples,
+    refine_peeled,
+    singleton_candidates,
+)
 from spear.core.verdict import (
     TIGHTEST_SAMPLE_RTOL,
     WEIGHT_PRECISION,
@@ -543,9 +548,34 @@ class _Attack:
                 return
             self.pool.add(self._singleton_entries(samples))
             self.peeled.extend(samples)
+            self._refine_peeled()
             self.search.update(self.pool, self.peeled, True, len(samples))
             if len(self.pool) >= s.b:
                 self._select()
+
+    def _refine_peeled(self) -> None:
+        """The cascade's samples re-solved together (:func:`~spear.core.singletons.refine_peeled`):
+        each sample takes its refined values only where the model still certifies them as it
+        did (same label, weight one sample's, strength kept), so a row taken for explained that
+        is not cannot make a certified sample worse."""
+        s = self.setup
+        refined = refine_peeled(s.problem, self.peeled)
+        if refined is None:
+            return
+        grads = s.expand(s.problem.L @ refined.duals.T).T
+        rtol = self._sample_rtol(refined.duals)
+        none = torch.zeros(len(refined), dtype=torch.bool)
+        cert = self.gate.check(s.expand_inputs(refined.inputs), grads, none, rtol)
+        if cert is None:
+            return
+        old = self.peeled
+        keep = cert.ok.to(old.labels.device) & (cert.labels.to(old.labels.device) == old.labels)
+        keep &= cert.strong.to(keep.device) | ~old.strong
+        keep &= ~cert.saturated.to(keep.device)
+        keep &= self._weights_agree(cert.weights.to(old.weights), rtol.to(old.weights)).to(keep.device)
+        old.coefficients[keep] = refined.coefficients[keep]
+        old.inputs[keep] = refined.inputs[keep]
+        old.duals[keep] = refined.duals[keep]
 
     def _singleton_entries(self, samples: PeeledSamples) -> SnapResult:
         """The pool's entries for samples the singleton cascade certified: their columns' zero
@@ -589,8 +619,12 @@ class _Attack:
         multiple of it (duplicates) or, merged from samples the layer cannot separate, another
         value altogether."""
         self.weights_seen += weights[ok].tolist()
+        return self._weights_agree(weights, sample_rtol).to(ok.device)
+
+    def _weights_agree(self, weights: torch.Tensor, sample_rtol: torch.Tensor) -> torch.Tensor:
+        """:meth:`_single`'s test against the weights seen so far, recording nothing."""
         if not self.weights_seen:
-            return torch.zeros_like(ok)
+            return torch.zeros(weights.shape, dtype=torch.bool, device=weights.device)
         reference = statistics.median(self.weights_seen)
         rtol = WEIGHT_PRECISION * self.setup.tol.verify_rtol
         agree = sum(abs(w / reference - 1.0) <= rtol for w in self.weights_seen)

@@ -32,6 +32,13 @@ MAX_CANDIDATES = 256
 #: the same for dense inputs (no b - 1 zero features to rank by): singleton rows are a few
 #: percent of the rows, so a scan takes every row it can (each costs an SVD of m x b)
 MAX_DENSE_CANDIDATES = 1024
+#: a row of the gradient counts as explained by the peeled samples when their part leaves at
+#: most this of its norm (measured at photos32, b = 256: explained rows 1e-9 or less before
+#: refinement, rows with an unpeeled sample active 4.5e-3 or more)
+EXPLAINED_RTOL = 1e-6
+#: the explained rows must determine every peeled sample: smallest over largest singular value
+#: of their system at least this
+REFINE_CONDITION = 1e-8
 
 
 def singleton_candidates(
@@ -75,6 +82,49 @@ def singleton_candidates(
     return unit[chosen]
 
 
+def refine_peeled(problem: LayerProblem, peeled: PeeledSamples) -> PeeledSamples | None:
+    """The peeled samples re-solved together on every row of the gradient they explain; None
+    when those rows do not determine them all, or the fit does not improve.
+
+    The cascade reads each sample off one row of the gradient without the samples peeled
+    before it (forward substitution), so their errors pile up: at photos32, b = 256, from 1e-13
+    for the first samples to 1e-7 after a hundred, and then true candidates fail the model's
+    loss-weight check. The directions ``q_k`` are exact (kernels of the full L), so on a row i
+    where only peeled samples are active, ``L_i = sum_k (L q_k)_i y_k`` with
+    ``y_k = r_k / (q_k . r_k)``: linear in Y, with many more rows than samples. Then
+    ``r_k = y_k / (y_k . L^+ dL/db)`` (Theorem 3.6: ``r_k . s = 1``) and ``u_k = q_k / (q_k . r_k)``.
+    Which rows are explained the server sees from the current residual (``EXPLAINED_RTOL``);
+    they must still be after the fit. Labels, weights and strength are carried over: the caller
+    re-certifies."""
+    L = problem.L
+    f = len(peeled)
+    if not f:
+        return None
+    tiny = torch.finfo(L.dtype).tiny
+    norm = L.norm(dim=1)
+    ratio = (L - (L @ peeled.duals.T) @ peeled.coefficients).norm(dim=1) / norm.clamp_min(tiny)
+    explained = (ratio <= EXPLAINED_RTOL) & (norm > 0)
+    if int(explained.sum()) < f:
+        return None
+    rows = L[explained] / norm[explained, None]
+    system = rows @ peeled.directions.T  # (e, f): the columns L q_k on those rows
+    sv = torch.linalg.svdvals(system)
+    if not bool(sv[-1] > REFINE_CONDITION * sv[0]):
+        return None
+    y = torch.linalg.lstsq(system, rows).solution  # (f, b)
+    dot = y @ problem.pinv_grad_bias
+    r = y / torch.where(dot.abs() > tiny, dot, torch.ones_like(dot)).unsqueeze(-1)
+    q = peeled.directions
+    qr = (q * r).sum(dim=1)
+    u = q / torch.where(qr.abs() > tiny, qr, torch.ones_like(qr)).unsqueeze(-1)
+    fitted = (rows - (rows @ u.T) @ r).norm(dim=1)
+    if not (torch.isfinite(r).all() and torch.isfinite(u).all()) or bool(fitted.max() > EXPLAINED_RTOL):
+        return None  # the rows taken for explained are not all: the samples do not fit them
+    return PeeledSamples(
+        q, r, r @ problem.R, u, peeled.next_grad_outputs, peeled.labels, peeled.weights, peeled.strong
+    )
+
+
 def as_input_problem(problem: LayerProblem) -> LayerProblem:
     """The same layer seen from its input side (for :class:`InputSidePeeler`)."""
     return LayerProblem(problem.weight, problem.bias, problem.grad_bias, problem.L, problem.R, "input")
@@ -96,4 +146,4 @@ def as_output_samples(samples: PeeledSamples) -> PeeledSamples:
     )
 
 
-__all__ = ["as_input_problem", "as_output_samples", "singleton_candidates"]
+__all__ = ["as_input_problem", "as_output_samples", "refine_peeled", "singleton_candidates"]

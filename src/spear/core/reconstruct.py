@@ -389,6 +389,8 @@ class _Attack:
             if isinstance(self.peeler, SamplePeeler) and self.peeler.back is not None
             else None,
         )
+        # samples the cascade subtracts without counting them (a sign-only model fit)
+        self.provisional = PeeledSamples.empty(setup.b, setup.problem.R.shape[1], factor.dtype, factor.device)
         self.gate = ModelGate(certifier)
         #: the LT cascade, where nothing else peels and the model can certify (output sparsity)
         #: (by ``pin_inputs``: the self-pinning candidates' peeler, and the dense candidates')
@@ -512,11 +514,18 @@ class _Attack:
     def _certify_samples(self, samples: PeeledSamples, layer_ok: torch.Tensor) -> torch.Tensor:
         """Which peeled samples count, given which the layers certify (``layer_ok``); fills in
         the model certificate's labels, weights and strength where a model is known."""
+        return self._certify_and_fit(samples, layer_ok)[0]
+
+    def _certify_and_fit(
+        self, samples: PeeledSamples, layer_ok: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`_certify_samples`, and which samples the model fits as one sample's, however
+        weakly (a sign-only fit, unsaturated, with one sample's loss weight)."""
         grads = self.setup.expand(self.setup.problem.L @ samples.duals.T).T
         rtol = self._sample_rtol(samples.duals)
         cert = self.gate.check(self.setup.expand_inputs(samples.inputs), grads, layer_ok, rtol)
         if cert is None:
-            return layer_ok
+            return layer_ok, layer_ok
         ok = cert.ok.to(layer_ok.device)
         single = self._single(cert.weights.to(samples.weights), ok, rtol.to(samples.weights))
         samples.strong = ok & cert.strong.to(ok.device) & single
@@ -528,7 +537,8 @@ class _Attack:
         # no label fits may be a merge of samples the layer cannot separate, and a saturated one
         # may stand for several that share its pattern
         saturated = cert.saturated.to(ok.device)
-        return (layer_ok & ok & single & ~saturated) | samples.strong
+        fits = ok & single & ~saturated
+        return (layer_ok & fits) | samples.strong, fits
 
     def _scan_singletons(self) -> None:
         """The LT cascade (:mod:`spear.core.singletons`): candidate inputs from the rows of the
@@ -540,14 +550,19 @@ class _Attack:
         checked through the layer's ReLU alone, and count only with a discriminative model
         certificate."""
         s = self.setup
-        while self.singleton_peelers is not None and len(self.peeled) < s.b and not s.deadline.passed():
-            samples = self._singleton_round(pin_inputs=True)
-            if samples is None:
-                samples = self._singleton_round(pin_inputs=False)
-            if samples is None:
+        while self.singleton_peelers is not None and not s.deadline.passed():
+            if len(self.peeled) + len(self.provisional) >= s.b:
                 return
-            self.pool.add(self._singleton_entries(samples))
-            self.peeled.extend(samples)
+            found = self._singleton_round(pin_inputs=True) or self._singleton_round(pin_inputs=False)
+            if found is None:
+                return
+            samples, held = found
+            if len(held):
+                self.pool.add(self._singleton_entries(held, certified=False))
+                self.provisional.extend(held)
+            if len(samples):
+                self.pool.add(self._singleton_entries(samples))
+                self.peeled.extend(samples)
             self._refine_peeled()
             self.search.update(self.pool, self.peeled, True, len(samples))
             if len(self.pool) >= s.b:
@@ -559,7 +574,8 @@ class _Attack:
         did (same label, weight one sample's, strength kept), so a row taken for explained that
         is not cannot make a certified sample worse."""
         s = self.setup
-        refined = refine_peeled(s.problem, self.peeled)
+        old = self._subtracted()
+        refined = refine_peeled(s.problem, old)
         if refined is None:
             return
         grads = s.expand(s.problem.L @ refined.duals.T).T
@@ -568,16 +584,25 @@ class _Attack:
         cert = self.gate.check(s.expand_inputs(refined.inputs), grads, none, rtol)
         if cert is None:
             return
-        old = self.peeled
-        keep = cert.ok.to(old.labels.device) & (cert.labels.to(old.labels.device) == old.labels)
+        labels = cert.labels.to(old.labels.device)
+        keep = cert.ok.to(labels.device) & ((labels == old.labels) | (old.labels < 0))
         keep &= cert.strong.to(keep.device) | ~old.strong
         keep &= ~cert.saturated.to(keep.device)
         keep &= self._weights_agree(cert.weights.to(old.weights), rtol.to(old.weights)).to(keep.device)
-        old.coefficients[keep] = refined.coefficients[keep]
-        old.inputs[keep] = refined.inputs[keep]
-        old.duals[keep] = refined.duals[keep]
+        f = len(self.peeled)
+        for part, index in ((self.peeled, slice(0, f)), (self.provisional, slice(f, None))):
+            mine = keep[index]
+            part.coefficients[mine] = refined.coefficients[index][mine]
+            part.inputs[mine] = refined.inputs[index][mine]
+            part.duals[mine] = refined.duals[index][mine]
 
-    def _singleton_entries(self, samples: PeeledSamples) -> SnapResult:
+    def _subtracted(self) -> PeeledSamples:
+        """The samples the cascade subtracts: the peeled ones, then the provisional ones."""
+        both = self.peeled.select(torch.ones(len(self.peeled), dtype=torch.bool))  # a copy
+        both.extend(self.provisional)
+        return both
+
+    def _singleton_entries(self, samples: PeeledSamples, certified: bool = True) -> SnapResult:
         """The pool's entries for samples the singleton cascade certified: their columns' zero
         sets, robust where that zero set pins the column on its own as for any snapped
         direction (a one-dimensional kernel, no essential row, and the kernel is the column's
@@ -590,27 +615,39 @@ class _Attack:
         kernel = kernel.to(q) * torch.sign((kernel.to(q) * q).sum(dim=1, keepdim=True))
         same = (kernel - q).norm(dim=1) <= s.tol.verify_rtol  # an angle within the tolerance
         robust = one_dim & robust & same
-        certified = torch.ones(len(samples), dtype=torch.bool, device=masks.device)
-        return SnapResult(q, masks, masks.sum(dim=1), robust, certified, certain)
+        marked = torch.full((len(samples),), certified, dtype=torch.bool, device=masks.device)
+        return SnapResult(q, masks, masks.sum(dim=1), robust, marked, certain)
 
-    def _singleton_round(self, pin_inputs: bool) -> PeeledSamples | None:
-        """The certified samples of one scan of the sparse (``pin_inputs``) or dense candidates;
-        None when it certifies none."""
+    def _singleton_round(self, pin_inputs: bool) -> tuple[PeeledSamples, PeeledSamples] | None:
+        """One scan of the sparse (``pin_inputs``) or dense candidates: the samples it certifies,
+        and those it only subtracts (None when neither).
+
+        A sample the model fits only by sign and scale (a saturated-looking softmax, where every
+        label's gradient is parallel) does not count, but its column is exact (a kernel of the
+        full L) and it stands in the gradient as one sample's weight: subtracted, it exposes the
+        neurons it shares with others, as a certified one does. A wrong one can only spoil the
+        candidates after it, which are certified on their own merits."""
         s = self.setup
         assert self.singleton_peelers is not None
         if s.deadline.passed():
             return None
-        candidates = singleton_candidates(s.problem, self.peeled, s.tol.zero_rtol, dense=not pin_inputs)
+        subtracted = self._subtracted()
+        candidates = singleton_candidates(s.problem, subtracted, s.tol.zero_rtol, dense=not pin_inputs)
         if not candidates.shape[0]:
             return None
         outcome = self.singleton_peelers[pin_inputs].peel(candidates, None, s.deadline)
         samples = outcome.samples
         if not len(samples):
             return None
-        accept = self._certify_samples(samples, outcome.robust[outcome.consistent] & self.resolvable)
-        samples = as_output_samples(samples.select(accept))
-        samples = samples.select(mutually_consistent(self.peeled, samples, s.tol.verify_rtol))
-        return samples if len(samples) else None
+        accept, fits = self._certify_and_fit(samples, outcome.robust[outcome.consistent] & self.resolvable)
+        found = as_output_samples(samples)
+        certified = found.select(accept)
+        certified = certified.select(mutually_consistent(subtracted, certified, s.tol.verify_rtol))
+        held = found.select(fits & ~accept)
+        if len(held):
+            subtracted.extend(certified)
+            held = held.select(mutually_consistent(subtracted, held, s.tol.verify_rtol))
+        return (certified, held) if len(certified) or len(held) else None
 
     def _single(self, weights: torch.Tensor, ok: torch.Tensor, sample_rtol: torch.Tensor) -> torch.Tensor:
         """Which loss weights are one sample's: equal (within each weight's precision, from the

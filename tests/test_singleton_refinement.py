@@ -132,15 +132,32 @@ def test_the_cascade_refines_its_samples_and_reports_the_refined_ones(monkeypatc
     assert float((rec.certified_inputs[est] - truth.inputs[ref]).abs().max()) < 1e-9
 
 
-def test_samples_with_a_sign_only_fit_are_subtracted_without_counting():
+def test_samples_with_a_sign_only_fit_are_subtracted_without_counting(monkeypatch):
     """photos32, b = 64, seed 3: the cascade alone certifies 51 samples when it stops at
     samples the model fits only by sign and scale, 59 when it subtracts them (uncounted) and
     goes on. What it certifies stays exact, labels included."""
+    import spear.core.reconstruct as reconstruct
+
+    attacks = []
+    scan = reconstruct._Attack._scan_singletons
+
+    def spy(self):
+        attacks.append(self)
+        return scan(self)
+
+    monkeypatch.setattr(reconstruct._Attack, "_scan_singletons", spy)
     dataset = load_dataset("photos32")
     model = shallow_mlp(dataset.features, seed=3)
     view, truth = simulate_fedsgd(model, dataset, 64, seed=3, normalize=False)
     rec = spear.attack_layer(view.model, "0", view.gradients, seed=3, max_proposals=1)
     assert rec.stats.certified >= 57
+    # the subtracted ones are true samples, and none of them is reported as certified
+    held = attacks[0].provisional.inputs
+    assert len(held) >= 1
+    est, ref = match_samples(held, truth.inputs)
+    assert float((held[est] - truth.inputs[ref]).abs().max()) < 1e-9
+    distance = torch.cdist(held, rec.certified_inputs, compute_mode="donot_use_mm_for_euclid_dist")
+    assert float(distance.min()) > 1e-3
     est, ref = match_samples(rec.certified_inputs, truth.inputs)
     assert float((rec.certified_inputs[est] - truth.inputs[ref]).abs().max()) < 1e-9
     labelled = rec.certified_labels[est] >= 0

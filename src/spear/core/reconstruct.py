@@ -548,7 +548,9 @@ class _Attack:
         Candidates with b - 1 zero features pin themselves (the input-side check). Once those
         give nothing new, the dense ones (inputs such as photos, with hardly a zero pixel) are
         checked through the layer's ReLU alone, and count only with a discriminative model
-        certificate."""
+        certificate. Samples the model fits only by sign and scale are subtracted without
+        counting (``provisional``, see :meth:`_singleton_round`); after every round all the
+        subtracted samples are re-solved together (:meth:`_refine_peeled`)."""
         s = self.setup
         while self.singleton_peelers is not None and not s.deadline.passed():
             if len(self.peeled) + len(self.provisional) >= s.b:
@@ -571,8 +573,8 @@ class _Attack:
     def _refine_peeled(self) -> None:
         """The cascade's samples re-solved together (:func:`~spear.core.singletons.refine_peeled`):
         each sample takes its refined values only where the model still certifies them as it
-        did (same label, weight one sample's, strength kept), so a row taken for explained that
-        is not cannot make a certified sample worse."""
+        did (the same label where it had one, weight one sample's, strength kept, unsaturated),
+        so a row taken for explained that is not cannot make a certified sample worse."""
         s = self.setup
         old = self._subtracted()
         refined = refine_peeled(s.problem, old)
@@ -580,7 +582,7 @@ class _Attack:
             return
         grads = s.expand(s.problem.L @ refined.duals.T).T
         rtol = self._sample_rtol(refined.duals)
-        none = torch.zeros(len(refined), dtype=torch.bool)
+        none = torch.zeros(len(refined), dtype=torch.bool, device=refined.directions.device)
         cert = self.gate.check(s.expand_inputs(refined.inputs), grads, none, rtol)
         if cert is None:
             return
@@ -598,7 +600,8 @@ class _Attack:
 
     def _subtracted(self) -> PeeledSamples:
         """The samples the cascade subtracts: the peeled ones, then the provisional ones."""
-        both = self.peeled.select(torch.ones(len(self.peeled), dtype=torch.bool))  # a copy
+        every = torch.ones(len(self.peeled), dtype=torch.bool, device=self.peeled.directions.device)
+        both = self.peeled.select(every)  # a copy
         both.extend(self.provisional)
         return both
 

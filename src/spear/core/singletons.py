@@ -84,7 +84,7 @@ def singleton_candidates(
 
 def refine_peeled(problem: LayerProblem, peeled: PeeledSamples) -> PeeledSamples | None:
     """The peeled samples re-solved together on every row of the gradient they explain; None
-    when those rows do not determine them all, or the fit does not improve.
+    when those rows do not determine them all, or do not stay explained after the fit.
 
     The cascade reads each sample off one row of the gradient without the samples peeled
     before it (forward substitution), so their errors pile up: at photos32, b = 256, from 1e-13

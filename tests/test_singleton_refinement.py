@@ -11,7 +11,7 @@ from spear.core.peeling import PeeledSamples
 from spear.core.scale import LayerProblem
 from spear.core.singletons import refine_peeled
 from spear.data import load_dataset
-from spear.fl import shallow_mlp, simulate_fedsgd
+from spear.fl import fedsgd_gradients, shallow_mlp, simulate_fedsgd
 from spear.metrics import match_samples, relative_errors
 
 
@@ -160,5 +160,26 @@ def test_samples_with_a_sign_only_fit_are_subtracted_without_counting(monkeypatc
     assert float(distance.min()) > 1e-3
     est, ref = match_samples(rec.certified_inputs, truth.inputs)
     assert float((rec.certified_inputs[est] - truth.inputs[ref]).abs().max()) < 1e-9
+    labelled = rec.certified_labels[est] >= 0
+    assert torch.equal(rec.certified_labels[est][labelled], truth.labels[ref][labelled])
+
+
+def test_inputs_whose_zeros_other_samples_share_are_checked_as_dense_ones():
+    """Photos with a black letterbox have b - 1 zero pixels, but they share them, so those
+    zeros pin none of them (the self-pinning check refuses each). The dense scan takes them
+    too, and the model certifies them; before it did, the cascade never saw them again."""
+    dataset = load_dataset("photos32")
+    b = 32
+    model = shallow_mlp(dataset.features, seed=0)
+    _, truth = simulate_fedsgd(model, dataset, b, seed=0, normalize=False)
+    inputs = truth.inputs.clone()
+    boxed = [3, 11, 19, 27]
+    inputs.view(b, 3, 32, 32)[boxed, :, :2, :] = 0.0  # two black rows in every channel: 192 zeros, shared
+    gradients = fedsgd_gradients(model, inputs, truth.labels)
+    rec = spear.attack_layer(model, "0", gradients, seed=0, max_proposals=1)
+    est, ref = match_samples(rec.certified_inputs, inputs)
+    assert float((rec.certified_inputs[est] - inputs[ref]).abs().max()) < 1e-9
+    found = set(ref.tolist())
+    assert set(boxed) <= found
     labelled = rec.certified_labels[est] >= 0
     assert torch.equal(rec.certified_labels[est][labelled], truth.labels[ref][labelled])

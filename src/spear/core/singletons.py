@@ -46,8 +46,9 @@ def singleton_candidates(
 ) -> torch.Tensor:
     """Unit coefficient vectors (k, b) of the candidate inputs ``row_i / (dL/db)_i`` of the
     gradient without the peeled samples: nonnegative (up to ``zero_rtol``), with at least b - 1
-    zero features (with ``dense``, the others: inputs such as photos, with hardly a zero pixel,
-    cannot pin themselves), deduplicated, sparsest first."""
+    zero features (with ``dense``, all of them: inputs such as photos, with hardly a zero pixel,
+    cannot pin themselves, and zeros that other samples share do not pin either), deduplicated,
+    sparsest first."""
     L, R = problem.L, problem.R
     b = L.shape[1]
     rows, grad_bias = L, problem.grad_bias
@@ -62,7 +63,9 @@ def singleton_candidates(
     size = x.abs().amax(dim=1, keepdim=True).clamp_min(torch.finfo(L.dtype).tiny)
     zeros = zero_mask(x, zero_rtol).sum(dim=1)
     pins_itself = zeros >= b - 1
-    keep = (x.amin(dim=1, keepdim=True) >= -zero_rtol * size)[:, 0] & (~pins_itself if dense else pins_itself)
+    # the dense scan takes every row: an input whose zeros other samples share (a black border)
+    # has b - 1 zeros that do not pin it, and only the model can tell it from a mixture
+    keep = (x.amin(dim=1, keepdim=True) >= -zero_rtol * size)[:, 0] & (pins_itself | dense)
     r, zeros = r[keep], zeros[keep]
     if len(peeled):  # rows of already peeled samples
         known = peeled.coefficients / peeled.coefficients.norm(dim=1, keepdim=True)

@@ -123,7 +123,10 @@ def test_a_certifier_without_the_opt_in_keeps_its_own_tolerance(faint_client):
     assert calls and not rec.verified
     est, ref = match_samples(rec.certified_inputs, x)
     assert set(ref.tolist()).isdisjoint(range(FAINT))
-    assert float((rec.certified_inputs[est] - x[ref]).abs().max()) < 1e-12
+    # no consistent batch here (sigma < 1): the samples stand as the singleton cascade read them
+    # off rows of the gradient and re-solved them together, ~1e-11 (a consistent batch reports
+    # its own, more precise values: the test above)
+    assert float((rec.certified_inputs[est] - x[ref]).abs().max()) < 1e-10
 
 
 def test_sample_tolerances_follow_the_precision_up_to_a_cap():

@@ -53,8 +53,9 @@ class InputSidePeeler:
         z_rtol: pre-activations at most this times the largest |z| have no sign and are left
             out of both checks.
         zero_rtol: entries of ``L q`` at most this times its largest count as zero.
-        pin_inputs: require the input's own zeros to pin it (step 1). Without (candidates of
-            dense inputs, :func:`spear.core.singletons.singleton_candidates`), steps 2-3 still
+        pin_inputs: require the input's own zeros to pin it (step 1). Without (the dense scan
+            of :func:`spear.core.singletons.singleton_candidates`: photos, or inputs whose zeros
+            other samples share), steps 2-3 still
             apply, but no sample is robust: only a discriminative model certificate counts it.
     """
 

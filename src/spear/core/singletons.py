@@ -29,8 +29,8 @@ from spear.core.scale import LayerProblem
 SAME_INPUT_COS = 1.0 - 1e-9
 #: at most this many distinct candidates are completed per scan (the sparsest first)
 MAX_CANDIDATES = 256
-#: the same for dense inputs (no b - 1 zero features to rank by): singleton rows are a few
-#: percent of the rows, so a scan takes every row it can (each costs an SVD of m x b)
+#: the same for the dense scan (every candidate, self-pinning or not): singleton rows are a
+#: few percent of the rows, so a scan takes every row it can (each costs an SVD of m x b)
 MAX_DENSE_CANDIDATES = 1024
 #: a row of the gradient counts as explained by the peeled samples when their part leaves at
 #: most this of its norm (measured at photos32, b = 256: explained rows 1e-9 or less before

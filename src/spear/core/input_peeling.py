@@ -55,8 +55,8 @@ class InputSidePeeler:
         zero_rtol: entries of ``L q`` at most this times its largest count as zero.
         pin_inputs: require the input's own zeros to pin it (step 1). Without (the dense scan
             of :func:`spear.core.singletons.singleton_candidates`: photos, or inputs whose zeros
-            other samples share), steps 2-3 still
-            apply, but no sample is robust: only a discriminative model certificate counts it.
+            other samples share), steps 2-3 still apply, but no sample is robust: only a
+            discriminative model certificate counts it.
     """
 
     #: the layer alone cannot certify these samples (see the module doc)

@@ -89,6 +89,26 @@ def test_mixture_without_hint_is_rejected():
     assert out.directions.shape[0] == 0
 
 
+def test_snapping_reports_the_sparsest_direction_the_threshold_alone_dropped():
+    # true columns below the threshold (a trained network's) are dropped, and the result says
+    # how sparse the sparsest of them was: the attack's evidence to probe soon
+    client = make_client(10, width=200, seed=4)
+    split = low_rank_split(client.grads["0.weight"])
+    Qt, _ = true_directions(client, split)
+    zeros = (client.grad_z == 0).sum(dim=0)
+    above = snap_and_filter(split.L, Qt.T, None, threshold_count=int(zeros.min()), zero_rtol=1e-9)
+    assert above.directions.shape[0] == 10 and above.dropped_sparsest == 0
+    # a threshold between the columns' zero counts: the dropped ones' most zeros is reported
+    cut = int(zeros.median()) + 1
+    out = snap_and_filter(split.L, Qt.T, None, threshold_count=cut, zero_rtol=1e-9)
+    assert out.directions.shape[0] == int((zeros >= cut).sum())
+    assert out.dropped_sparsest == int(zeros[zeros < cut].max())
+    # nothing kept at all still reports it; lifting and selecting keep it
+    none = snap_and_filter(split.L, Qt.T, None, threshold_count=int(zeros.max()) + 1, zero_rtol=1e-9)
+    assert none.directions.shape[0] == 0 and none.dropped_sparsest == int(zeros.max())
+    assert out.select(torch.tensor([0])).dropped_sparsest == out.dropped_sparsest
+
+
 def test_pool_deduplicates_up_to_sign():
     pool = CandidatePool(batch_size=3, rows=5)
     d = torch.tensor([[1.0, 0.0, 0.0], [0.0, 1.0, 0.0]], dtype=torch.float64)

@@ -88,6 +88,33 @@ def test_float32_trained_hidden_layer_peels_to_the_end(mnist):
     assert_labels(rec, inputs, labels)
 
 
+def test_trained_hidden_layer_last_columns_come_from_the_next_layer(mnist):
+    # layer 2 of the 6-layer MLP after 200 steps, float64, b = 32: peeling leaves 11 samples
+    # whose columns of dL/dZ have a quarter zeros, ~1e-6 per proposal for the random sampler
+    # (1.66M proposals). The residual next-layer gradient's zero sets give them at once
+    # (254k proposals in all)
+    model = fully_connected(mnist.features, 500, 6, seed=2)
+    pretrain(model, mnist, 200, seed=2)
+    rec, inputs, labels = attack(model, "2", mnist, 32, seed=2, max_proposals=500_000)
+    assert rec.verified, rec.message
+    assert_exact(rec.inputs, inputs)
+    assert_labels(rec, inputs, labels)
+
+
+def test_trained_hidden_layer_lowers_its_threshold_soon(mnist):
+    # the same layer at b = 64 (seed 0): after the sparsest 11 columns, the rest have fewer
+    # zeros than tau * m. The proposers find them, and the filter drops them for the threshold
+    # alone: that evidence brings the stall probe (which lowers the threshold) after 3
+    # fruitless calls, not 20 (178k proposals; 423k when it waited)
+    model = fully_connected(mnist.features, 500, 6, seed=0)
+    pretrain(model, mnist, 200, seed=0)
+    rec, inputs, labels = attack(model, "2", mnist, 64, seed=0, max_proposals=300_000)
+    assert rec.verified, rec.message
+    assert any("threshold was lowered" in note for note in rec.notes)
+    assert_exact(rec.inputs, inputs)
+    assert_labels(rec, inputs, labels)
+
+
 def test_trained_network_is_no_harder(mnist):
     # the paper's Fig. 7: 200 SGD steps first (lr 0.05, batches of 64)
     model = fully_connected(mnist.features, 400, 4, seed=2)

@@ -62,7 +62,13 @@ class ProbeResult:
     def looks_dense(self, b: int, rows: int) -> bool:
         if not self.probed:
             return False
-        return self.sparsest <= b - 1 + max(DENSE_SLACK_MIN, math.ceil(DENSE_SLACK_FRACTION * rows))
+        return not relu_sparse(self.sparsest, b, rows)
+
+
+def relu_sparse(zeros: int, b: int, rows: int) -> bool:
+    """Whether a direction with ``zeros`` exact zeros (of ``rows``, batch size b) has more
+    than the b - 1 it was solved on and the few a dense column gets by chance."""
+    return zeros > b - 1 + max(DENSE_SLACK_MIN, math.ceil(DENSE_SLACK_FRACTION * rows))
 
 
 def probe_sparse_directions(

@@ -10,7 +10,7 @@ and are rejected. Approximate directions never reach the output.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -183,6 +183,9 @@ class SnapResult:
     certain_zero: torch.Tensor | None = None  # (k, rows) bool: entries below the noise floor
     #: (k,) bool: peeling refuted it, no sample's (core.peeling): not trusted, robust or not
     refuted: torch.Tensor | None = None
+    #: the most exact zeros of a direction that the sparsity threshold alone dropped (0: none);
+    #: far more than b - 1 says columns sparser than the threshold assumes may be there
+    dropped_sparsest: int = 0
 
     def select(self, keep: torch.Tensor) -> SnapResult:
         """The directions where ``keep`` (bool or indices) holds."""
@@ -198,6 +201,7 @@ class SnapResult:
             pick(self.certified),
             pick(self.certain_zero),
             pick(self.refuted),
+            self.dropped_sparsest,
         )
 
     @staticmethod
@@ -210,8 +214,16 @@ class SnapResult:
 
         directions, masks, counts = cat("directions"), cat("zero_masks"), cat("zero_counts")
         assert directions is not None and masks is not None and counts is not None
+        dropped = max((p.dropped_sparsest for p in parts), default=0)
         return SnapResult(
-            directions, masks, counts, cat("robust"), cat("certified"), cat("certain_zero"), cat("refuted")
+            directions,
+            masks,
+            counts,
+            cat("robust"),
+            cat("certified"),
+            cat("certain_zero"),
+            cat("refuted"),
+            dropped,
         )
 
 
@@ -280,7 +292,10 @@ def snap_and_filter(
     rows = zero_mask(q @ L.T, zero_rtol, rounding_floor(q, rounding, L.shape[0]))
     if not isinstance(threshold_count, torch.Tensor):
         threshold_count = torch.full((q.shape[0],), threshold_count, device=rows.device)
-    keep = torch.isfinite(q).all(dim=1) & (rows.sum(dim=1) >= threshold_count)
+    finite = torch.isfinite(q).all(dim=1)
+    keep = finite & (rows.sum(dim=1) >= threshold_count)
+    below = rows[finite & ~keep].sum(dim=1)
+    empty = replace(empty, dropped_sparsest=int(below.max()) if below.numel() else 0)
     q, rows, threshold_count = q[keep], rows[keep], threshold_count[keep]
     # one exact re-solve per distinct zero set, none for directions already known
     fresh = first_occurrences(rows, known_masks)
@@ -296,7 +311,14 @@ def snap_and_filter(
     if q.shape[0] == 0:
         return empty
     certain = zero_mask(values, zero_rtol if zero_floor is None else zero_floor)
-    return SnapResult(canonical_sign(q), rows, rows.sum(dim=1), robust, certain_zero=certain)
+    return SnapResult(
+        canonical_sign(q),
+        rows,
+        rows.sum(dim=1),
+        robust,
+        certain_zero=certain,
+        dropped_sparsest=empty.dropped_sparsest,
+    )
 
 
 def sparsest_first(indices: torch.Tensor, zero_counts: torch.Tensor) -> torch.Tensor:

@@ -29,6 +29,7 @@ from spear.core.diagnosis import (
     below_threshold_note,
     no_sparsity_message,
     probe_sparse_directions,
+    relu_sparse,
 )
 from spear.core.filtering import (
     CandidatePool,
@@ -425,6 +426,7 @@ class _Attack:
         self.weights_seen: list[float] = []  # loss weights the model certificate fitted
         self.adapted = False  # the filter's threshold was (or will not be) adapted
         self.trusted_seen, self.last_progress = 0, 0  # for _check_stall
+        self.sparse_drop = -1  # the last call whose snapping dropped a ReLU-sparse direction
         self.resolvable = setup.resolvable
         self._offered: Selection | None = None  # the last selection shown to stop_when
         self.notes: list[str] = [] if (note := noise_note(setup)) is None else [note]
@@ -439,6 +441,9 @@ class _Attack:
         if self.setup.deadline.passed():
             return batch  # the run ends here: snapping and peeling would overrun the budget
         snapped = self.search.snap(batch, self.setup.tol, self.pool.known_masks)
+        ctx = self.search.ctx
+        if relu_sparse(snapped.dropped_sparsest, ctx.batch_size, ctx.rows):
+            self.sparse_drop = self.calls
         self._absorb(snapped)
         return batch
 
@@ -858,7 +863,10 @@ class _Attack:
         if trusted != self.trusted_seen:
             self.trusted_seen, self.last_progress = trusted, self.calls
             return
-        if self.adapted or len(self.pool) >= s.b or self.calls - self.last_progress < STALL_CALLS:
+        # directions sparser than a dense column's but below the threshold, dropped since the
+        # last progress: the evidence the probe looks for may be there, so look soon
+        patience = PROBE_AFTER_CALLS if self.sparse_drop > self.last_progress else STALL_CALLS
+        if self.adapted or len(self.pool) >= s.b or self.calls - self.last_progress < patience:
             return
         self.adapted = True
         ctx = self.search.ctx

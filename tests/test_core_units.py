@@ -109,6 +109,23 @@ def test_snapping_reports_the_sparsest_direction_the_threshold_alone_dropped():
     assert out.select(torch.tensor([0])).dropped_sparsest == out.dropped_sparsest
 
 
+def test_pool_adds_a_batch_in_order_and_passes_certified_flags_to_the_kept_copy():
+    from spear.core.filtering import SnapResult
+
+    pool = CandidatePool(batch_size=3, rows=4)
+    e = torch.eye(3, dtype=torch.float64)
+    pool.add(SnapResult(e[:1], torch.zeros(1, 4, dtype=torch.bool), torch.tensor([2])))
+    # a copy of the pool's one (certified), a new one, its copy up to sign (certified), another
+    d = torch.stack([e[0], e[1], -e[1], e[2]])
+    masks = torch.tensor([[1, 0, 0, 0], [0, 1, 0, 0], [0, 0, 1, 0], [0, 0, 0, 1]], dtype=torch.bool)
+    certified = torch.tensor([True, False, True, False])
+    snapped = SnapResult(d, masks, masks.sum(dim=1), torch.ones(4, dtype=torch.bool), certified)
+    assert pool.add(snapped) == 2
+    assert torch.equal(pool.directions, e)
+    assert pool.certified.tolist() == [True, True, False]
+    assert torch.equal(pool.zero_masks[1:], masks[[1, 3]])  # the first of each kept
+
+
 def test_pool_deduplicates_up_to_sign():
     pool = CandidatePool(batch_size=3, rows=5)
     d = torch.tensor([[1.0, 0.0, 0.0], [0.0, 1.0, 0.0]], dtype=torch.float64)

@@ -397,30 +397,64 @@ class CandidatePool:
         return int(self.directions.shape[0])
 
     def add(self, snapped: SnapResult) -> int:
-        """Add the directions not yet in the pool (up to sign); return how many were new."""
-        added = 0
-        for i in range(snapped.directions.shape[0]):
-            q = snapped.directions[i]
-            sure = False if snapped.certified is None else bool(snapped.certified[i])
-            if len(self):
-                cos = (self.directions @ q).abs()
-                j = int(cos.argmax())
-                if float(cos[j]) >= (self.duplicate_cos or DUPLICATE_COS):
-                    self.certified[j] |= sure
-                    continue
-            self.directions = torch.cat([self.directions, q[None]])
-            self.zero_masks = torch.cat([self.zero_masks, snapped.zero_masks[i : i + 1]])
-            self.zero_counts = torch.cat([self.zero_counts, snapped.zero_counts[i : i + 1]])
-            certain = snapped.zero_masks if snapped.certain_zero is None else snapped.certain_zero
-            self.certain_zero = torch.cat([self.certain_zero, certain[i : i + 1]])
-            flag = True if snapped.robust is None else bool(snapped.robust[i])
-            self.robust = torch.cat([self.robust, torch.tensor([flag], device=self.robust.device)])
-            self.certified = torch.cat([self.certified, torch.tensor([sure], device=self.robust.device)])
-            wrong = False if snapped.refuted is None else bool(snapped.refuted[i])
-            self.refuted = torch.cat([self.refuted, torch.tensor([wrong], device=self.robust.device)])
-            added += 1
+        """Add the directions not yet in the pool (up to sign); return how many were new.
+
+        In order, each direction is a duplicate of the pool's most parallel one (the pool as it
+        grows) when at least ``duplicate_cos`` parallel, and passes its certified flag to it;
+        the others join at once, with one concatenation per field (a float32 step can bring
+        thousands)."""
+        n = snapped.directions.shape[0]
+        sure = (
+            torch.zeros(n, dtype=torch.bool, device=self.robust.device)
+            if snapped.certified is None
+            else snapped.certified.to(self.robust.device, torch.bool)
+        )
+        kept, match = self._first_new(snapped.directions)
+        duplicate = match >= 0
+        if not kept.numel():
+            self.certified[match[duplicate & sure]] = True
+            self._bound_untrusted()
+            return 0
+        certain = snapped.zero_masks if snapped.certain_zero is None else snapped.certain_zero
+        flags = torch.ones(n, dtype=torch.bool) if snapped.robust is None else snapped.robust
+        wrong = torch.zeros(n, dtype=torch.bool) if snapped.refuted is None else snapped.refuted
+        device = self.robust.device
+        self.directions = torch.cat([self.directions, snapped.directions[kept]])
+        self.zero_masks = torch.cat([self.zero_masks, snapped.zero_masks[kept]])
+        self.zero_counts = torch.cat([self.zero_counts, snapped.zero_counts[kept]])
+        self.certain_zero = torch.cat([self.certain_zero, certain[kept]])
+        self.robust = torch.cat([self.robust, flags.to(device, torch.bool)[kept]])
+        self.certified = torch.cat([self.certified, sure[kept]])
+        self.refuted = torch.cat([self.refuted, wrong.to(device, torch.bool)[kept]])
+        self.certified[match[duplicate & sure]] = True
         self._bound_untrusted()
-        return added
+        return int(kept.numel())
+
+    def _first_new(self, directions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Which of ``directions`` (in order) are new, and for the others the pool index (after
+        adding the new ones) of the direction they duplicate: (kept indices, match or -1)."""
+        n, before = directions.shape[0], len(self)
+        threshold = self.duplicate_cos or DUPLICATE_COS
+        match = torch.full((n,), -1, dtype=torch.long, device=directions.device)
+        to_pool = (directions @ self.directions.T).abs() if before else None
+        kept: list[int] = []
+        bank = torch.empty_like(directions)  # the kept ones, in order
+        for i in range(n):
+            best, where = -1.0, -1
+            if to_pool is not None:
+                j = int(to_pool[i].argmax())
+                best, where = float(to_pool[i, j]), j
+            if kept:
+                among = (bank[: len(kept)] @ directions[i]).abs()
+                k = int(among.argmax())
+                if float(among[k]) > best:
+                    best, where = float(among[k]), before + k
+            if best >= threshold:
+                match[i] = where
+            else:
+                bank[len(kept)] = directions[i]
+                kept.append(i)
+        return torch.tensor(kept, dtype=torch.long, device=directions.device), match
 
     def _bound_untrusted(self) -> None:
         """Keep at most ``untrusted_limit`` non-robust candidates, the sparsest: on image data

@@ -457,7 +457,9 @@ class _Attack:
         if not self.search.update(self.pool, self.peeled, changed, 0 if fresh is None else len(fresh)):
             self.peeler = None  # the last sample did not certify: peeling has done what it can
         if changed and len(self.pool) >= self.setup.b:
-            self._select()
+            # while peeling certifies samples the pool grows under the search: the swaps wait
+            # for a step that certifies none (all b certified need none)
+            self._select(None if fresh is None or not len(fresh) else 0)
 
     def _peel(self, snapped: SnapResult) -> PeeledSamples | None:
         """Recover the samples of new directions one by one; mark the certified ones.
@@ -679,9 +681,10 @@ class _Attack:
         own = torch.clamp_min(WEIGHT_PRECISION * sample_rtol, rtol)
         return ((weights / reference - 1.0).abs() <= own) & (agree >= WEIGHT_QUORUM)
 
-    def _select(self) -> None:
-        """Greedy selection (Algorithm 3); a perfect one is judged, and columns the model shows
-        to be wrong are rejected for good before selecting again."""
+    def _select(self, max_sweeps: int | None = None) -> None:
+        """Greedy selection (Algorithm 3, at most ``max_sweeps`` sweeps of swaps); a perfect one
+        is judged, and columns the model shows to be wrong are rejected for good before
+        selecting again."""
         s, pool = self.setup, self.pool
         for _ in range(MAX_REJECTION_ROUNDS):
             if len(pool) < s.b:
@@ -691,6 +694,7 @@ class _Attack:
                 pool.directions,
                 pool.zero_masks,
                 pool.zero_counts,
+                max_sweeps=max_sweeps,
                 certified=pool.certified,
                 certain_zero=pool.certain_zero,
                 z_rtol=s.tol.z_rtol,

@@ -1,6 +1,8 @@
 """Peeling: one direction gives its sample exactly through the next layer, and the rest is a
 smaller SPEAR problem (spear.core.peeling)."""
 
+import itertools
+
 import pytest
 import torch
 
@@ -510,3 +512,7 @@ def test_swaps_wait_while_peeling_certifies_samples(monkeypatch):
     others = [s for certified, made in steps if not certified for s in made]
     assert peeling and set(peeling) == {0}
     assert set(others) <= {None}
+    # the deferred swaps run in the next step that certifies nothing, new candidates or not
+    for (peeled, made), (peeled_next, made_next) in itertools.pairwise(steps):
+        if peeled and made and not peeled_next:
+            assert None in made_next

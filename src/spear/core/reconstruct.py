@@ -427,6 +427,7 @@ class _Attack:
         self.adapted = False  # the filter's threshold was (or will not be) adapted
         self.trusted_seen, self.last_progress = 0, 0  # for _check_stall
         self.sparse_drop = -1  # the last call whose snapping dropped a ReLU-sparse direction
+        self.swaps_deferred = False  # the last selection skipped its swaps (peeling progressed)
         self.resolvable = setup.resolvable
         self._offered: Selection | None = None  # the last selection shown to stop_when
         self.notes: list[str] = [] if (note := noise_note(setup)) is None else [note]
@@ -456,10 +457,12 @@ class _Attack:
         changed = bool(added) or int(self.pool.trusted_mask.sum()) != known_before
         if not self.search.update(self.pool, self.peeled, changed, 0 if fresh is None else len(fresh)):
             self.peeler = None  # the last sample did not certify: peeling has done what it can
-        if changed and len(self.pool) >= self.setup.b:
-            # while peeling certifies samples the pool grows under the search: the swaps wait
-            # for a step that certifies none (all b certified need none)
-            self._select(None if fresh is None or not len(fresh) else 0)
+        # while peeling certifies samples the pool grows under the search: the swaps wait for
+        # the next step that certifies none, changed pool or not (all b certified need none)
+        peeling = fresh is not None and len(fresh) > 0
+        if len(self.pool) >= self.setup.b and (changed or (self.swaps_deferred and not peeling)):
+            self.swaps_deferred = peeling
+            self._select(0 if peeling else None)
 
     def _peel(self, snapped: SnapResult) -> PeeledSamples | None:
         """Recover the samples of new directions one by one; mark the certified ones.

@@ -516,3 +516,38 @@ def test_swaps_wait_while_peeling_certifies_samples(monkeypatch):
     for (peeled, made), (peeled_next, made_next) in itertools.pairwise(steps):
         if peeled and made and not peeled_next:
             assert None in made_next
+
+
+def test_deferred_swaps_run_in_the_next_quiet_step_or_when_the_run_ends(monkeypatch):
+    # a selection that skipped its swaps (peeling certified samples) is made again with them:
+    # in the next step that certifies none, even one that adds nothing, or once the run ends
+    from spear.core import reconstruct
+    from spear.core.filtering import SnapResult
+
+    attack, _ = _attack_on_client(16)
+    made: list[int | None] = []
+    monkeypatch.setattr(reconstruct._Attack, "_select", lambda self, max_sweeps=None: made.append(max_sweeps))
+    monkeypatch.setattr(reconstruct._Attack, "_peel", lambda self, snapped: None)
+    b, rows = 16, attack.setup.problem.sparse_factor.shape[0]
+    attack.pool.add(
+        SnapResult(
+            torch.eye(b, dtype=torch.float64),
+            torch.zeros(b, rows, dtype=torch.bool),
+            torch.zeros(b, dtype=torch.long),
+        )
+    )
+    nothing = SnapResult(
+        torch.empty(0, b, dtype=torch.float64),
+        torch.empty(0, rows, dtype=torch.bool),
+        torch.empty(0, dtype=torch.long),
+    )
+    attack._absorb(nothing)
+    assert made == []  # nothing changed, nothing deferred: no selection
+    attack.swaps_deferred = True
+    attack._absorb(nothing)
+    assert made == [None] and not attack.swaps_deferred
+    attack.swaps_deferred = True
+    attack._run_deferred_swaps()
+    assert made == [None, None] and not attack.swaps_deferred
+    attack._run_deferred_swaps()
+    assert made == [None, None]

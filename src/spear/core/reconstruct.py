@@ -464,6 +464,13 @@ class _Attack:
             self.swaps_deferred = peeling
             self._select(0 if peeling else None)
 
+    def _run_deferred_swaps(self) -> None:
+        """The swaps the last selection skipped (a step that certified samples), when the run
+        ends before a step that certifies none: a perfect selection may be one swap away."""
+        if self.swaps_deferred and not (self.best is not None and self.best.perfect):
+            self.swaps_deferred = False
+            self._select()
+
     def _peel(self, snapped: SnapResult) -> PeeledSamples | None:
         """Recover the samples of new directions one by one; mark the certified ones.
 
@@ -859,12 +866,14 @@ class _Attack:
             )
 
     def _check_stall(self) -> None:
-        """When no new direction came for ``STALL_CALLS`` calls with fewer than b in hand, probe
-        the current problem (the residual one, after peeling) once: if its columns are sparse but
-        below the threshold, lower it (the columns found first are the sparsest ones). They are
-        when the probe finds nothing above the threshold, or finds robust directions below it
-        (no essential zero row: true columns, as mixtures have one; a trained float32 MLP's
-        columns straddle the threshold, and those above it are found, the others never)."""
+        """When no new direction came for ``STALL_CALLS`` calls with fewer than b in hand (for
+        ``PROBE_AFTER_CALLS`` when snapping dropped a ReLU-sparse direction for the threshold
+        alone since then), probe the current problem (the residual one, after peeling) once: if
+        its columns are sparse but below the threshold, lower it (the columns found first are the
+        sparsest ones). They are when the probe finds nothing above the threshold, or finds
+        robust directions below it (no essential zero row: true columns, as mixtures have one; a
+        trained float32 MLP's columns straddle the threshold, and those above it are found, the
+        others never)."""
         s = self.setup
         trusted = int(self.pool.trusted_mask.sum())
         if trusted != self.trusted_seen:
@@ -948,6 +957,7 @@ class _Attack:
                     reason = "exhausted"
                     break
                 self._check_sparsity()
+            self._run_deferred_swaps()
         except KeyboardInterrupt:
             reason = "interrupted"
         return finish(self.setup, self.best, self.verdict, self.gate, self.peeled, self, reason)

@@ -466,8 +466,10 @@ class _Attack:
 
     def _run_deferred_swaps(self) -> None:
         """The swaps the last selection skipped (a step that certified samples), when the run
-        ends before a step that certifies none: a perfect selection may be one swap away."""
-        if self.swaps_deferred and not (self.best is not None and self.best.perfect):
+        ends before a step that certifies none: a perfect selection may be one swap away. Not
+        past the deadline (the time budget is a promise)."""
+        done = self.best is not None and self.best.perfect
+        if self.swaps_deferred and not done and not self.setup.deadline.passed():
             self.swaps_deferred = False
             self._select()
 

@@ -959,7 +959,8 @@ class _Attack:
                     reason = "exhausted"
                     break
                 self._check_sparsity()
-            self._run_deferred_swaps()
+            if reason != "accepted":  # the selection stop_when accepted is the result
+                self._run_deferred_swaps()
         except KeyboardInterrupt:
             reason = "interrupted"
         return finish(self.setup, self.best, self.verdict, self.gate, self.peeled, self, reason)

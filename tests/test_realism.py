@@ -24,6 +24,13 @@ def attack(model, layer, dataset, b, seed, max_proposals=2_000_000):
     return rec, layer_inputs(view.model, layer, truth.inputs), truth.labels
 
 
+def trained_mlp(dataset, seed, dtype=torch.float64):
+    """The realism matrix's 6 x 500 MLP after 200 SGD steps (lr 0.05, batches of 64)."""
+    model = fully_connected(dataset.features, 500, 6, seed=seed, dtype=dtype)
+    pretrain(model, dataset, 200, seed=seed)
+    return model
+
+
 def assert_labels(rec, inputs, labels):
     est, ref = match_samples(rec.inputs.to(inputs.dtype), inputs)
     assert torch.equal(rec.labels[est], labels[ref])
@@ -65,8 +72,7 @@ def test_float32_trained_columns_straddling_the_threshold_are_all_found(mnist):
     # zeros than tau * m = 202 (median 200). The 26 above it were found and the search stalled;
     # its probe then found robust directions (true columns) below the threshold, but also some
     # above it, and only a probe that found none above lowered it: stuck at 27 of 64
-    model = fully_connected(mnist.features, 500, 6, seed=0, dtype=torch.float32)
-    pretrain(model, mnist, 200, seed=0)
+    model = trained_mlp(mnist, seed=0, dtype=torch.float32)
     rec, inputs, labels = attack(model, "0", mnist, 64, seed=0)
     assert rec.verified and rec.stats.proposals < 200_000
     assert_exact(rec.inputs.to(inputs.dtype), inputs, rtol=1e-3)
@@ -80,8 +86,7 @@ def test_float32_trained_hidden_layer_peels_to_the_end(mnist):
     # the proposers must not deflate; and the residual next-layer gradient must keep its exact
     # zeros, or the next-layer proposer has none after the first peel. 505k proposals; 1.11M
     # before (and 21 of 32 certified on the realism benchmark's 30 s)
-    model = fully_connected(mnist.features, 500, 6, seed=0, dtype=torch.float32)
-    pretrain(model, mnist, 200, seed=0)
+    model = trained_mlp(mnist, seed=0, dtype=torch.float32)
     rec, inputs, labels = attack(model, "2", mnist, 32, seed=0, max_proposals=700_000)
     assert rec.verified, rec.message
     assert_exact(rec.inputs.to(inputs.dtype), inputs, rtol=1e-3)
@@ -93,8 +98,7 @@ def test_trained_hidden_layer_last_columns_come_from_the_next_layer(mnist):
     # whose columns of dL/dZ have a quarter zeros, ~1e-6 per proposal for the random sampler
     # (1.66M proposals). The residual next-layer gradient's zero sets give them at once
     # (254k proposals in all)
-    model = fully_connected(mnist.features, 500, 6, seed=2)
-    pretrain(model, mnist, 200, seed=2)
+    model = trained_mlp(mnist, seed=2)
     rec, inputs, labels = attack(model, "2", mnist, 32, seed=2, max_proposals=500_000)
     assert rec.verified, rec.message
     assert_exact(rec.inputs, inputs)
@@ -106,8 +110,7 @@ def test_trained_hidden_layer_lowers_its_threshold_soon(mnist):
     # zeros than tau * m. The proposers find them, and the filter drops them for the threshold
     # alone: that evidence brings the stall probe (which lowers the threshold) after 3
     # fruitless calls, not 20 (178k proposals; 423k when it waited)
-    model = fully_connected(mnist.features, 500, 6, seed=0)
-    pretrain(model, mnist, 200, seed=0)
+    model = trained_mlp(mnist, seed=0)
     rec, inputs, labels = attack(model, "2", mnist, 64, seed=0, max_proposals=300_000)
     assert rec.verified, rec.message
     assert any("threshold was lowered" in note for note in rec.notes)

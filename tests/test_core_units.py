@@ -126,6 +126,46 @@ def test_pool_adds_a_batch_in_order_and_passes_certified_flags_to_the_kept_copy(
     assert torch.equal(pool.zero_masks[1:], masks[[1, 3]])  # the first of each kept
 
 
+def _first_new_reference(pool_directions, directions, threshold):
+    """The pool's duplicate rule one direction at a time: the most parallel of the pool and the
+    new ones kept so far (ties: the pool's, then the earliest) is its match if parallel enough."""
+    kept, match, before = [], [], pool_directions.shape[0]
+    for i, d in enumerate(directions):
+        best, where = -1.0, -1
+        if before:
+            cos = (pool_directions @ d).abs()
+            best, where = float(cos.max()), int(cos.argmax())
+        for rank, k in enumerate(kept):
+            c = float((directions[k] @ d).abs())
+            if c > best:
+                best, where = c, before + rank
+        if best >= threshold:
+            match.append(where)
+        else:
+            kept.append(i)
+            match.append(-1)
+    return kept, match
+
+
+def test_pool_deduplication_across_blocks_matches_the_one_by_one_rule():
+    from spear.core.filtering import DEDUP_BLOCK
+
+    g = torch.Generator().manual_seed(3)
+    base = torch.nn.functional.normalize(torch.randn(120, 6, dtype=torch.float64, generator=g), dim=1)
+    n = 2 * DEDUP_BLOCK + 37  # copies fall in other blocks than their first
+    picks = base[torch.randint(0, 120, (n,), generator=g)]
+    signs = torch.where(torch.rand(n, 1, generator=g) < 0.5, -1.0, 1.0).to(torch.float64)
+    nudge = 1e-7 * torch.randn(n, 6, dtype=torch.float64, generator=g) * (torch.rand(n, 1, generator=g) < 0.2)
+    directions = torch.nn.functional.normalize(picks * signs + nudge, dim=1)
+    for threshold in (1.0 - 1e-9, 1.0 - 1e-12):
+        pool = CandidatePool(batch_size=6, rows=4, duplicate_cos=threshold)
+        pool.directions = base[:30]
+        kept, match = pool._first_new(directions)
+        ref_kept, ref_match = _first_new_reference(base[:30], directions, threshold)
+        assert kept.tolist() == ref_kept and match.tolist() == ref_match
+        assert 0 < len(ref_kept) < n and sum(m >= 30 for m in ref_match) > 0  # both kinds of copy
+
+
 def test_pool_deduplicates_up_to_sign():
     pool = CandidatePool(batch_size=3, rows=5)
     d = torch.tensor([[1.0, 0.0, 0.0], [0.0, 1.0, 0.0]], dtype=torch.float64)

@@ -551,3 +551,35 @@ def test_deferred_swaps_run_in_the_next_quiet_step_or_when_the_run_ends(monkeypa
     assert made == [None, None] and not attack.swaps_deferred
     attack._run_deferred_swaps()
     assert made == [None, None]
+
+
+def test_a_step_past_the_deadline_keeps_its_certified_samples_and_stops_there(monkeypatch):
+    # the time budget is a promise: once peeling ran past the deadline, the step records what
+    # it certified (the result counts it) but pools and selects nothing
+    from spear.core import reconstruct
+    from spear.core.deadline import Deadline
+    from spear.core.filtering import SnapResult
+    from spear.core.peeling import PeeledSamples
+
+    b = 16
+    attack, _ = _attack_on_client(b)
+    rows, n = attack.setup.problem.sparse_factor.shape[0], attack.setup.problem.R.shape[1]
+    one = torch.ones(1, b, dtype=torch.float64)
+    fresh = PeeledSamples(one, one, torch.ones(1, n, dtype=torch.float64), one)
+    selected: list[int | None] = []
+    monkeypatch.setattr(
+        reconstruct._Attack, "_select", lambda self, max_sweeps=None: selected.append(max_sweeps)
+    )
+    monkeypatch.setattr(reconstruct._Attack, "_peel", lambda self, snapped: fresh)
+    snapped = SnapResult(
+        torch.eye(b, dtype=torch.float64),
+        torch.zeros(b, rows, dtype=torch.bool),
+        torch.zeros(b, dtype=torch.long),
+    )
+    monkeypatch.setattr(reconstruct.AttackSetup, "deadline", property(lambda self: Deadline(0.0)))
+    attack._absorb(snapped)
+    assert len(attack.peeled) == 1 and len(attack.pool) == 0 and selected == []
+    monkeypatch.setattr(reconstruct.AttackSetup, "deadline", property(lambda self: Deadline(None)))
+    monkeypatch.setattr(reconstruct._Attack, "_peel", lambda self, snapped: None)
+    attack._absorb(snapped)  # before the deadline the same step pools and selects
+    assert len(attack.pool) == b and selected == [None]

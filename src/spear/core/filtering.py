@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, replace
 
+import numpy as np
 import torch
 
 from spear.core.deadline import NEVER, Deadline
@@ -31,6 +32,8 @@ FLOOR_CAP = 1e-5
 ESSENTIAL_ROW_TOL = 1e-6
 #: two unit directions with |cos| above this are the same direction
 DUPLICATE_COS = 1.0 - 1e-9
+#: directions deduplicated together (:meth:`CandidatePool._first_new`)
+DEDUP_BLOCK = 256
 #: how many numbers one batched kernel step may hold (hints x rows x b)
 SNAP_CHUNK_ELEMENTS = 2**24
 #: ... and one batched SVD of masked factors (kernel_of_rows): a few seconds at most
@@ -432,29 +435,32 @@ class CandidatePool:
 
     def _first_new(self, directions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Which of ``directions`` (in order) are new, and for the others the pool index (after
-        adding the new ones) of the direction they duplicate: (kept indices, match or -1)."""
+        adding the new ones) of the direction they duplicate: (kept indices, match or -1).
+
+        The rule is sequential: a direction is compared with the pool and with the new ones
+        kept before it, and its match is the most parallel of those (ties: the pool's, then the
+        earliest). It runs in blocks of ``DEDUP_BLOCK`` directions: one product with everything
+        kept before the block, then the block's own Gram matrix walked in order (a float32 step
+        can bring 12,000 directions)."""
         n, before = directions.shape[0], len(self)
         threshold = self.duplicate_cos or DUPLICATE_COS
+        best = torch.full((n,), -1.0, dtype=directions.dtype, device=directions.device)
         match = torch.full((n,), -1, dtype=torch.long, device=directions.device)
-        to_pool = (directions @ self.directions.T).abs() if before else None
-        kept: list[int] = []
-        bank = torch.empty_like(directions)  # the kept ones, in order
-        for i in range(n):
-            best, where = -1.0, -1
-            if to_pool is not None:
-                j = int(to_pool[i].argmax())
-                best, where = float(to_pool[i, j]), j
-            if kept:
-                among = (bank[: len(kept)] @ directions[i]).abs()
-                k = int(among.argmax())
-                if float(among[k]) > best:
-                    best, where = float(among[k]), before + k
-            if best >= threshold:
-                match[i] = where
-            else:
-                bank[len(kept)] = directions[i]
-                kept.append(i)
-        return torch.tensor(kept, dtype=torch.long, device=directions.device), match
+        if before:
+            best, match = _most_parallel(directions, self.directions)
+        kept = torch.empty(0, dtype=torch.long, device=directions.device)
+        for start in range(0, n, DEDUP_BLOCK):
+            part = directions[start : start + DEDUP_BLOCK]
+            part_best, part_match = best[start : start + DEDUP_BLOCK], match[start : start + DEDUP_BLOCK]
+            if kept.numel():
+                earlier, at = _most_parallel(part, directions[kept])
+                better = earlier > part_best
+                part_best = torch.where(better, earlier, part_best)
+                part_match = torch.where(better, before + at, part_match)
+            mine, part_match = _walk_block(part, part_best, part_match, before + kept.numel(), threshold)
+            match[start : start + DEDUP_BLOCK] = part_match
+            kept = torch.cat([kept, start + mine])
+        return kept, match
 
     def _bound_untrusted(self) -> None:
         """Keep at most ``untrusted_limit`` non-robust candidates, the sparsest: on image data
@@ -472,3 +478,34 @@ class CandidatePool:
         keep = torch.ones(len(self), dtype=torch.bool, device=self.robust.device)
         keep[drop] = False
         self._keep(keep)
+
+
+def _most_parallel(directions: torch.Tensor, others: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """For each direction, its largest ``|cos|`` with ``others`` (unit rows) and where (the first)."""
+    cos = (directions @ others.T).abs()
+    at = cos.argmax(dim=1)
+    return cos.gather(1, at[:, None])[:, 0], at
+
+
+def _walk_block(
+    part: torch.Tensor, best: torch.Tensor, match: torch.Tensor, offset: int, threshold: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:meth:`CandidatePool._first_new` within one block, in order. ``best``/``match``: each
+    direction's most parallel earlier one outside the block; a direction kept here becomes
+    pool index ``offset`` + its rank among the block's kept ones. Returns (kept positions,
+    match or -1)."""
+    cos = (part @ part.T).abs().cpu().numpy()
+    best_np, match_np = best.cpu().numpy().copy(), match.cpu().numpy().copy()
+    rank = np.full(part.shape[0], -1)  # pool offset of the kept ones, -1 for the others
+    kept = 0
+    for i in range(part.shape[0]):
+        if kept:
+            among = np.where(rank[:i] >= 0, cos[i, :i], -1.0)
+            k = int(among.argmax())
+            if among[k] > best_np[i]:
+                best_np[i], match_np[i] = among[k], offset + rank[k]
+        if best_np[i] < threshold:
+            rank[i], match_np[i] = kept, -1
+            kept += 1
+    mine = torch.from_numpy(np.flatnonzero(rank >= 0)).to(part.device)
+    return mine, torch.from_numpy(match_np).to(part.device)

@@ -450,6 +450,12 @@ class _Attack:
 
     def _absorb(self, snapped: SnapResult) -> None:
         fresh = self._peel(snapped)
+        if self.setup.deadline.passed():
+            # the run ends here: the samples peeling certified stand (the result counts them);
+            # pooling and selecting would only overrun the budget
+            if fresh is not None and len(fresh):
+                self.peeled.extend(fresh)
+            return
         known_before = int(self.pool.trusted_mask.sum())
         added = self.pool.add(snapped)
         if fresh is not None and len(fresh):

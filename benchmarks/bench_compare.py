@@ -20,7 +20,7 @@ import math
 import statistics
 from pathlib import Path
 
-from common import machine, write_json
+from common import machine, run_settings, write_json
 from spear.experiments import ExperimentSettings
 from spear.experiments.compare import run_comparison
 from spear.experiments.report import json_safe, save_comparison_grid
@@ -73,7 +73,7 @@ def main() -> None:
                 save_comparison_grid(args.out.with_name(f"compare_b{b}.png"), result.images, result.truth, 8)
         for method, records in per_method.items():
             cells.append({"batch_size": b, "method": method, **summarize(records)})
-    payload = {"machine": machine(), "args": vars(args) | {"out": str(args.out)}, "cells": cells, "runs": raw}
+    payload = {"machine": machine(), "args": run_settings(args), "cells": cells, "runs": raw}
     write_json(args.out, json_safe(payload))
     for c in cells:
         print(c)

@@ -31,7 +31,7 @@ import json
 import time
 from pathlib import Path
 
-from common import machine, median, write_json
+from common import machine, median, run_settings, write_json
 from spear.errors import SpearError
 from spear.experiments import ExperimentSettings, run_experiment
 
@@ -216,7 +216,7 @@ def main() -> None:
     payload = json.loads(OUT.read_text()) if OUT.exists() else {}
     for name in args.sections:
         payload[name] = SECTIONS[name](args)
-        payload[f"{name}_settings"] = {k: v for k, v in vars(args).items() if k != "sections"}
+        payload[f"{name}_settings"] = {k: v for k, v in run_settings(args).items() if k != "sections"}
     payload["machine"] = machine()
     write_json(OUT, payload)
     print(f"wrote {OUT}")

@@ -28,7 +28,7 @@ import time
 from pathlib import Path
 
 import spear
-from common import certified_count, machine, median, write_json
+from common import certified_count, machine, median, run_settings, write_json
 from spear.data import available_datasets, load_dataset
 from spear.fl import shallow_mlp, simulate_fedsgd
 
@@ -113,7 +113,7 @@ def published_as(name: str) -> str:
 def save(args: argparse.Namespace, cells: list[dict]) -> Path:
     payload = {
         "benchmark": "LT-code passive setting (two-layer MLP F->1000->10, zero biases, inputs in [0,1])",
-        "settings": vars(args),
+        "settings": run_settings(args),
         "machine": machine(),
         "stand_ins": STAND_INS,
         "cells": cells,

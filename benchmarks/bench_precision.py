@@ -20,7 +20,7 @@ import torch
 
 import spear
 from bench_realism import SETTINGS, build
-from common import machine, write_json
+from common import machine, run_settings, write_json
 from spear.data import load_dataset
 from spear.fl import feature_layer, layer_inputs, pretrain, simulate_fedsgd
 from spear.metrics import relative_errors
@@ -97,7 +97,7 @@ def main() -> None:
         "worst_ratio": max((r["ratio_max"] for r in measured), default=None),
     }
     print(summary)
-    payload = {"benchmark": "precision", "settings": vars(args), "machine": machine()}
+    payload = {"benchmark": "precision", "settings": run_settings(args), "machine": machine()}
     write_json(args.out, {**payload, "summary": summary, "cases": rows})
 
 

@@ -30,7 +30,7 @@ import math
 import time
 from pathlib import Path
 
-from common import machine, median, write_json
+from common import machine, median, run_settings, write_json
 from spear.errors import SpearError
 from spear.experiments import ExperimentSettings, run_experiment
 from spear.fl import DPSGD
@@ -157,7 +157,7 @@ def main() -> None:
     if previous.exists() and set(args.sections) != set(SECTIONS):  # rerun of some sections: keep the rest
         kept = [r for r in json.loads(previous.read_text())["results"] if r["section"] not in args.sections]
         results = sorted(kept + results, key=lambda r: SECTIONS.index(r["section"]))
-    payload = {"machine": machine(), "settings": vars(args), "results": results}
+    payload = {"machine": machine(), "settings": run_settings(args), "results": results}
     path = write_json(args.out, payload)
     plot_dp(results, Path(path).with_name("protocols_dp.png"))
     print(f"wrote {path}")

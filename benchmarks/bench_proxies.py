@@ -20,7 +20,7 @@ import argparse
 import time
 from pathlib import Path
 
-from common import machine, write_json
+from common import machine, run_settings, write_json
 from spear.experiments import ExperimentSettings
 from spear.experiments.report import json_safe
 from spear.experiments.vulnerability import ATTACK_FOR_LOSS, ClientCase, proxy_correlations
@@ -67,7 +67,7 @@ def main() -> None:
         for row in studies[-1]["correlations"]:
             if row["score"] in ("psnr", "certified_order"):
                 print(steps, row["proxy"], row["attack"], row["score"], row["rho"], row["ci95"])
-    payload = {"machine": machine(), "args": vars(args) | {"out": str(args.out)}, "studies": studies}
+    payload = {"machine": machine(), "args": run_settings(args), "studies": studies}
     write_json(args.out, json_safe(payload))
 
 

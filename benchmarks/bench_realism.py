@@ -36,7 +36,7 @@ from pathlib import Path
 import torch
 
 import spear
-from common import certified_count, machine, median, write_json
+from common import certified_count, machine, median, run_settings, write_json
 from spear.data import load_dataset
 from spear.fl import feature_layer, fully_connected, layer_inputs, pretrain, simulate_fedsgd, small_cnn
 from spear.metrics import match_samples
@@ -141,7 +141,7 @@ def main() -> None:
                 break
     payload = {
         "benchmark": "realism matrix (MNIST, FedSGD, attack_layer defaults)",
-        "settings": vars(args),
+        "settings": run_settings(args),
         "machine": machine(),
         "cells": cells,
     }

@@ -18,7 +18,7 @@ import time
 import torch
 
 import spear
-from common import attack_batch, machine, median, write_json
+from common import attack_batch, machine, median, run_settings, write_json
 from spear.core.lowrank import low_rank_split
 from spear.core.proposers import ProposalContext, RandomSubmatrixSampler
 from spear.data import load_dataset
@@ -100,7 +100,8 @@ def main() -> None:
                 flush=True,
             )
             write_json(
-                args.out, {"benchmark": "sampling", "machine": machine(), "args": vars(args), "results": rows}
+                args.out,
+                {"benchmark": "sampling", "machine": machine(), "args": run_settings(args), "results": rows},
             )
 
 

@@ -31,7 +31,7 @@ import json
 from pathlib import Path
 
 import spear
-from common import attack_batch, machine, median, write_json
+from common import attack_batch, machine, median, run_settings, write_json
 from spear.data import load_dataset
 
 #: sampler throughput used for the Lemma 5.2 time estimate when sampling.json is missing
@@ -209,7 +209,7 @@ def main() -> None:
                     {
                         "benchmark": "scaling",
                         "machine": machine(),
-                        "args": vars(args),
+                        "args": run_settings(args),
                         "sampler_rate_for_lemma_5_2": rate,
                         "results": rows,
                     },

@@ -37,6 +37,19 @@ def median(values: list[float]) -> float | None:
     return statistics.median(values) if values else None
 
 
+def run_settings(args) -> dict:
+    """A script's arguments as its JSON records them: paths relative to the repository (an
+    absolute path names the machine it ran on, not the setting)."""
+    root = Path(__file__).resolve().parent.parent
+    out = {}
+    for key, value in vars(args).items():
+        if isinstance(value, (str, Path)) and Path(value).is_absolute():
+            path = Path(value).resolve()
+            value = str(path.relative_to(root)) if path.is_relative_to(root) else str(value)
+        out[key] = value
+    return out
+
+
 def write_json(path: str | Path, payload: dict) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)

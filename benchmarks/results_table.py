@@ -14,7 +14,7 @@ import argparse
 import dataclasses
 from pathlib import Path
 
-from common import machine, write_json
+from common import machine, run_settings, write_json
 from spear.experiments import ExperimentSettings, run_batches, summarize
 
 
@@ -71,7 +71,7 @@ def main() -> None:
         {
             "benchmark": "results_table",
             "machine": machine(),
-            "args": vars(args),
+            "args": run_settings(args),
             "results": rows,
             "markdown": "\n".join(lines),
         },

@@ -5,6 +5,9 @@ activations, for a CNN's head the conv features. Two inverters take them back to
 
 * :class:`GradientInverter` (exact): through Linear and ReLU layers, using the server's own
   weight gradients of the layers below; verified when the solution is unique and consistent.
+* :class:`RowSpaceInverter` (exact, one sample at a time): through Linear and ReLU layers,
+  each certified sample on its own, within the row space of each lower layer's gradient; for
+  attacks that certified some samples but not the whole batch.
 * :class:`FeatureInverter` (estimate): optimization through any known layers (convolutions,
   pools) with a total-variation prior, as the Cocktail Party Attack inverts VGG features.
 
@@ -22,6 +25,7 @@ from spear.core.result import Reconstruction
 from spear.inversion.base import Inversion, Inverter, layers_below
 from spear.inversion.exact import GradientInverter
 from spear.inversion.optimization import FeatureInverter, InversionSettings, invert_features, total_variation
+from spear.inversion.row_space import RowSpaceInverter
 
 
 def invert_to_inputs(
@@ -57,6 +61,7 @@ __all__ = [
     "Inversion",
     "InversionSettings",
     "Inverter",
+    "RowSpaceInverter",
     "invert_features",
     "invert_to_inputs",
     "layers_below",

@@ -23,18 +23,23 @@ class Inversion:
     """
 
     inputs: torch.Tensor
-    method: str  # "identity", "gradients" or "optimization"
+    method: str  # "identity", "gradients", "row space" or "optimization"
     verified: bool
     residual: float = float("nan")
     notes: list[str] = field(default_factory=list)
+    #: (k,) per-sample proof, for inverters that take samples one at a time (else None)
+    exact: torch.Tensor | None = None
 
     def as_dict(self) -> dict:
-        return {
+        out = {
             "method": self.method,
             "verified": self.verified,
             "residual": self.residual,
             "notes": list(self.notes),
         }
+        if self.exact is not None:
+            out["exact_samples"] = int(self.exact.sum())
+        return out
 
 
 class Inverter(ABC):

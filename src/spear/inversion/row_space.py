@@ -1,0 +1,117 @@
+"""Exact inversion of certified samples one at a time, through each lower layer's row space.
+
+:class:`~spear.inversion.exact.GradientInverter` needs the whole recovered batch (every
+sample's output gradient, to form ``D`` of rank b). An attack that stops short of the batch
+still certifies samples one by one (``Reconstruction.certified_inputs``), and each of those
+traces down on its own: the inputs of a linear layer lie in the row space of its weight
+gradient, and on the units a sample activates its outputs are linear in them
+(:func:`spear.core.backtrack.invert_relu_linear`). So every certified hidden sample becomes a
+certified model input, with no other sample known.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+from torch import nn
+
+from spear.core.backtrack import gradient_row_space, invert_relu_linear
+from spear.core.consistency import Tolerances
+from spear.core.result import Reconstruction
+from spear.errors import InputError
+from spear.inversion.base import Inversion, Inverter, layers_below
+from spear.inversion.exact import PASS_THROUGH
+
+
+class RowSpaceInverter(Inverter):
+    """Per-sample exact inversion through ``Linear -> ReLU`` layers (see the module doc).
+
+    It inverts the reconstruction's verified batch, else its certified samples. The result's
+    ``exact`` flags each sample: every layer's system was determined (enough active units, in
+    general position) and its solution reproduced the sample's outputs to ``rtol`` (default:
+    the verification tolerance of the gradients' dtype, 1e-8 in float64, 1e-3 in float32).
+    ``verified`` is True when every sample is exact (the inputs it starts from are proven: a
+    verified batch or certified samples).
+    """
+
+    name = "row space"
+
+    def __init__(self, rtol: float | None = None) -> None:
+        self.rtol = rtol
+
+    def applies(self, model: nn.Module, layer: str) -> bool:
+        """Pairs of ``Linear -> ReLU`` below ``layer`` (pass-through modules aside), nothing else."""
+        below = [m for _, m in layers_below(model, layer) if not isinstance(m, PASS_THROUGH)]
+        pairs = zip(below[0::2], below[1::2], strict=False)
+        return len(below) % 2 == 0 and all(
+            isinstance(a, nn.Linear) and isinstance(r, nn.ReLU) for a, r in pairs
+        )
+
+    def __call__(
+        self,
+        model: nn.Module,
+        layer: str,
+        gradients: Mapping[str, torch.Tensor],
+        reconstruction: Reconstruction,
+    ) -> Inversion:
+        attacked = dict(model.named_modules()).get(layer)
+        if not isinstance(attacked, nn.Linear):
+            raise InputError(f"module {layer!r} is a {type(attacked).__name__}, not the attacked nn.Linear")
+        if not self.applies(model, layer):
+            raise InputError(
+                f"the row-space inversion needs Linear -> ReLU pairs below {layer!r} and nothing else; "
+                "use spear.inversion.invert_to_inputs for this model"
+            )
+        hidden = _proven_inputs(reconstruction)
+        width = attacked.in_features
+        if hidden.ndim != 2 or hidden.shape[1] != width:
+            raise InputError(
+                f"the recovered inputs are {tuple(hidden.shape)}; layer {layer!r} takes (k, {width})"
+            )
+        linears = [(n, m) for n, m in layers_below(model, layer) if isinstance(m, nn.Linear)]
+        if not linears:  # the first layer: its inputs are the data
+            every = torch.ones(hidden.shape[0], dtype=torch.bool)
+            return Inversion(hidden.to(torch.float64), "identity", True, 0.0, exact=every)
+        missing = [n for n, _ in linears if _key(n) not in gradients]
+        if missing:
+            raise InputError(f"the update lacks the weight gradients of layers {missing}: they are needed")
+        dtype = _source_dtype(gradients[_key(n)] for n, _ in linears)
+        tol = Tolerances.for_dtype(dtype, verify_rtol=self.rtol)
+        inputs = hidden.to(torch.float64)
+        exact = torch.ones(inputs.shape[0], dtype=torch.bool)
+        worst = torch.zeros(inputs.shape[0], dtype=torch.float64)
+        for name, linear in reversed(linears):
+            grad = gradients[_key(name)].detach()
+            space = gradient_row_space(grad, grad.dtype, reconstruction.batch_size)
+            bias = linear.bias.detach() if linear.bias is not None else torch.zeros(linear.out_features)
+            step = invert_relu_linear(
+                inputs, linear.weight.detach(), bias, space, tol.verify_rtol, tol.zero_rtol
+            )
+            inputs, exact, worst = step.inputs, exact & step.exact, torch.maximum(worst, step.misfit)
+        notes = (
+            [] if bool(exact.all()) else [f"{int((~exact).sum())} sample(s) not determined or not consistent"]
+        )
+        residual = float(worst[exact].max()) if bool(exact.any()) else float("inf")
+        return Inversion(inputs, self.name, bool(exact.all()), residual, notes, exact=exact)
+
+
+def _proven_inputs(reconstruction: Reconstruction) -> torch.Tensor:
+    """The verified batch, else the certified samples, else a clear error."""
+    if reconstruction.verified and reconstruction.inputs is not None:
+        return reconstruction.inputs.detach().cpu()
+    if reconstruction.certified_inputs is not None and reconstruction.certified_inputs.shape[0]:
+        return reconstruction.certified_inputs.detach().cpu()
+    raise InputError(
+        "the reconstruction has no verified batch and no certified sample: only proven inputs are "
+        "inverted one by one (raise the attack's budget)"
+    )
+
+
+def _key(name: str) -> str:
+    return f"{name}.weight" if name else "weight"
+
+
+def _source_dtype(tensors) -> torch.dtype:
+    """The least precise floating dtype among the gradients."""
+    return max((t.dtype for t in tensors), key=lambda d: torch.finfo(d).eps)

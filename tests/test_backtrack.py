@@ -1,0 +1,134 @@
+"""Certified hidden samples inverted one by one down to the images (RowSpaceInverter)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+import spear
+from spear.core.backtrack import gradient_row_space, invert_relu_linear
+from spear.fl import fully_connected, layer_inputs, simulate_fedsgd
+from spear.inversion import RowSpaceInverter
+from tests.conftest import assert_exact
+
+
+@pytest.fixture(scope="module")
+def mnist():
+    from spear.data import load_dataset
+
+    return load_dataset("mnist")
+
+
+def _client(mnist, width: int, b: int, seed: int, dtype=torch.float64):
+    model = fully_connected(784, width, 6, seed=seed, dtype=dtype)
+    return simulate_fedsgd(model, mnist, b, seed=seed)
+
+
+def _certified(rec, inputs: torch.Tensor):
+    """``rec`` as an attack that stopped short of the batch but certified ``inputs``."""
+    return dataclasses.replace(rec, verified=False, certified_inputs=inputs)
+
+
+def test_a_hidden_layers_attack_inverts_to_the_images(mnist):
+    view, truth = _client(mnist, 200, 16, 3)
+    rec = spear.attack_layer(view.model, "4", view.gradients, seed=0, max_proposals=200_000)
+    assert rec.verified
+    images = RowSpaceInverter()(view.model, "4", view.gradients, rec)
+    assert images.verified and bool(images.exact.all()) and images.residual < 1e-10
+    assert_exact(images.inputs, truth.inputs.double(), rtol=1e-9)
+
+
+def test_certified_samples_alone_invert_without_the_rest_of_the_batch(mnist):
+    # the whole-batch inversion needs every sample's output gradient; one by one needs none
+    view, truth = _client(mnist, 200, 16, 3)
+    rec = spear.attack_layer(view.model, "4", view.gradients, seed=0, max_proposals=200_000)
+    some = _certified(rec, layer_inputs(view.model, "4", truth.inputs)[[1, 5, 9]])
+    images = RowSpaceInverter()(view.model, "4", view.gradients, some)
+    assert images.verified and images.exact.tolist() == [True] * 3
+    assert_exact(images.inputs, truth.inputs[[1, 5, 9]].double(), rtol=1e-9)
+
+
+def test_float32_gradients_invert_to_float32_precision(mnist):
+    view, truth = _client(mnist, 200, 16, 1, torch.float32)
+    rec = spear.attack_layer(view.model, "2", view.gradients, seed=0, max_proposals=200_000)
+    some = _certified(rec, layer_inputs(view.model, "2", truth.inputs))
+    images = RowSpaceInverter()(view.model, "2", view.gradients, some)
+    assert bool(images.exact.all())
+    assert_exact(images.inputs, truth.inputs.double(), rtol=1e-4)
+
+
+def test_wrong_hidden_inputs_are_not_called_exact(mnist):
+    # a mixture of two samples, one active unit switched off, a rescaled sample: no input of
+    # the row space reproduces them through the ReLU
+    view, truth = _client(mnist, 200, 16, 2)
+    rec = spear.attack_layer(view.model, "2", view.gradients, seed=0, max_proposals=200_000)
+    hidden = layer_inputs(view.model, "2", truth.inputs).double()
+    flipped = hidden[2].clone()
+    flipped[int(flipped.argmax())] = 0.0
+    wrong = torch.stack([(hidden[0] + hidden[1]) / 2, flipped, 1.5 * hidden[3]])
+    images = RowSpaceInverter()(
+        view.model, "2", view.gradients, _certified(rec, torch.cat([hidden[4:6], wrong]))
+    )
+    assert images.exact.tolist() == [True, True, False, False, False] and not images.verified
+
+
+def test_a_layer_below_too_narrow_to_determine_the_inputs_is_reported_not_guessed(mnist):
+    # 12 units below, ~6 active per sample, 8 unknowns: where fewer than 8 are active many
+    # inputs fit, and none is claimed; where 8 or more are, the one that fits is the truth
+    torch.manual_seed(0)
+    layers = [torch.nn.Linear(784, 12), torch.nn.ReLU(), torch.nn.Linear(12, 300), torch.nn.ReLU()]
+    model = torch.nn.Sequential(*layers, torch.nn.Linear(300, 10)).double()
+    view, truth = simulate_fedsgd(model, mnist, 8, seed=0)
+    rec = spear.attack_layer(view.model, "2", view.gradients, seed=0, max_proposals=1, peel=False)
+    some = _certified(rec, layer_inputs(view.model, "2", truth.inputs))
+    images = RowSpaceInverter()(view.model, "2", view.gradients, some)
+    active = (layer_inputs(view.model, "2", truth.inputs) > 0).sum(dim=1)
+    assert not images.verified and bool((active < 8).any())
+    assert not bool(images.exact[active < 8].any()) and bool(torch.isnan(images.inputs[active < 8]).all())
+    exact = images.exact
+    assert bool(exact.any()) and torch.allclose(images.inputs[exact], truth.inputs[exact].double(), atol=1e-9)
+
+
+def test_invert_relu_linear_needs_a_determined_system_in_the_right_row_space():
+    g = torch.Generator().manual_seed(0)
+    W, bias = (
+        torch.randn(60, 30, generator=g, dtype=torch.float64),
+        torch.randn(60, generator=g, dtype=torch.float64),
+    )
+    X = torch.randn(5, 30, generator=g, dtype=torch.float64)
+    H = torch.relu(X @ W.T + bias)
+    grad = torch.randn(40, 5, generator=g, dtype=torch.float64) @ X  # rank 5, rows span the inputs
+    good = invert_relu_linear(H, W, bias, gradient_row_space(grad, torch.float64), 1e-8, 1e-9)
+    assert bool(good.exact.all()) and torch.allclose(good.inputs, X, atol=1e-10)
+    other = torch.linalg.qr(torch.randn(30, 5, generator=g, dtype=torch.float64)).Q.T
+    assert not bool(invert_relu_linear(H, W, bias, other, 1e-8, 1e-9).exact.any())
+    # weights of rank 3 < 5 unknowns: every active set leaves a family of exact fits
+    low = torch.randn(60, 3, generator=g, dtype=torch.float64) @ torch.randn(
+        3, 30, generator=g, dtype=torch.float64
+    )
+    H = torch.relu(X @ low.T + bias)
+    flat = invert_relu_linear(H, low, bias, gradient_row_space(grad, torch.float64), 1e-8, 1e-9)
+    assert not bool(flat.exact.any()) and bool(torch.isinf(flat.misfit).all())
+
+
+def test_the_row_space_inversion_names_what_it_cannot_do(mnist):
+    view, _ = _client(mnist, 200, 8, 0)
+    rec = spear.attack_layer(view.model, "2", view.gradients, max_proposals=1, peel=False)
+    assert not rec.verified and rec.certified_inputs is None
+    with pytest.raises(spear.InputError, match="only proven inputs"):
+        RowSpaceInverter()(view.model, "2", view.gradients, rec)
+    grads = {k: v for k, v in view.gradients.items() if k != "0.weight"}
+    with pytest.raises(spear.InputError, match=r"lacks the weight gradients of layers \['0'\]"):
+        RowSpaceInverter()(view.model, "2", grads, _certified(rec, torch.zeros(1, 200)))
+    with pytest.raises(spear.InputError, match="not the attacked"):
+        RowSpaceInverter()(view.model, "1", view.gradients, _certified(rec, torch.zeros(1, 200)))
+    with pytest.raises(spear.InputError, match=r"takes \(k, 200\)"):
+        RowSpaceInverter()(view.model, "2", view.gradients, _certified(rec, torch.zeros(1, 199)))
+    first = RowSpaceInverter()(view.model, "0", view.gradients, _certified(rec, torch.ones(2, 784)))
+    assert first.method == "identity" and first.exact.tolist() == [True, True]  # the data itself
+    cnn = torch.nn.Sequential(
+        torch.nn.Conv2d(1, 2, 3), torch.nn.ReLU(), torch.nn.Flatten(), torch.nn.Linear(8, 4)
+    )
+    assert not RowSpaceInverter().applies(cnn, "3")

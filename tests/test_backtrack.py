@@ -132,3 +132,29 @@ def test_the_row_space_inversion_names_what_it_cannot_do(mnist):
         torch.nn.Conv2d(1, 2, 3), torch.nn.ReLU(), torch.nn.Flatten(), torch.nn.Linear(8, 4)
     )
     assert not RowSpaceInverter().applies(cnn, "3")
+
+
+def test_an_experiment_counts_the_data_of_certified_hidden_samples(mnist):
+    # spear attack on a hidden layer that certified samples but no batch: their images count
+    from spear.experiments.evaluation import evaluate
+
+    view, truth = _client(mnist, 200, 16, 3)
+    rec = spear.attack_layer(view.model, "4", view.gradients, seed=0, max_proposals=200_000)
+    hidden = layer_inputs(view.model, "4", truth.inputs)
+    partial = dataclasses.replace(_certified(rec, hidden[[0, 3]]), inputs=None, grad_outputs=None)
+    data = RowSpaceInverter()(view.model, "4", view.gradients, partial)
+    record = evaluate(mnist, view.model, "4", partial, None, truth, 1e-6, certified_data=data).record
+    assert record["exact_samples"] == 2 and record["features"]["exact_samples"] == 2
+    assert record["certified_data"]["exact_samples"] == 2
+    assert evaluate(mnist, view.model, "4", partial, None, truth, 1e-6).record["exact_samples"] == 0
+
+
+def test_an_experiment_inverts_certified_samples_only_when_the_batch_is_not_verified(mnist):
+    from spear.experiments.run import _certified_data
+
+    view, truth = _client(mnist, 200, 16, 3)
+    rec = spear.attack_layer(view.model, "4", view.gradients, seed=0, max_proposals=200_000)
+    assert rec.verified and _certified_data(view, "4", rec) is None  # the batch inverts whole
+    hidden = layer_inputs(view.model, "4", truth.inputs)
+    data = _certified_data(view, "4", _certified(rec, hidden[:3]))
+    assert data is not None and data.method == "row space" and data.exact.tolist() == [True] * 3

@@ -39,9 +39,12 @@ def evaluate(
     secret: ClientBatch,
     atol: float,
     seed: int = 0,
+    certified_data: Inversion | None = None,
 ) -> Evaluation:
     """Score ``rec`` (and the data taken back from it) against the client's batch. ``atol``: a
-    value counts as exact within this (image scale, or relative for features)."""
+    value counts as exact within this (image scale, or relative for features).
+    ``certified_data``: a hidden layer's certified samples taken back to the data one by one
+    (:class:`~spear.inversion.RowSpaceInverter`), counted when the batch is not recovered."""
     record: dict[str, Any] = {}
     data_inputs, truth_features = rec.inputs, None
     if layers_below(model, layer):
@@ -54,9 +57,10 @@ def evaluate(
     complete = data_inputs is not None and data_inputs.shape[0] == secret.inputs.shape[0]
     if not complete:
         missing = _not_recovered(dataset, rec, secret, atol, truth_features)
-        if truth_features is not None:  # the certified samples are features, not data
+        if truth_features is not None:  # the certified samples are features; their data:
             record["features"]["exact_samples"] = missing["exact_samples"]
-            missing["exact_samples"] = 0
+            missing["exact_samples"] = _exact_data(dataset, certified_data, secret, atol)
+            record["certified_data"] = None if certified_data is None else certified_data.as_dict()
         record.update(missing)
         return Evaluation(record, None)
     scored = _score_data(dataset, data_inputs, secret, atol)
@@ -137,6 +141,19 @@ def _not_recovered(dataset, rec, secret, atol, truth_features) -> dict[str, Any]
         exact = int(batch_exact(estimate[est], truth[ref], atol).sum())
     batch = secret.inputs.shape[0]
     return {"metrics": metrics, "exact_samples": exact, "batch_size": batch, "per_sample": {}}
+
+
+def _exact_data(dataset: Dataset, inversion: Inversion | None, secret: ClientBatch, atol: float) -> int:
+    """How many of an inversion's proven samples (``exact``) match the client's data to ``atol``."""
+    if inversion is None or inversion.exact is None or not bool(inversion.exact.any()):
+        return 0
+    proven = inversion.inputs[inversion.exact].to(torch.float64)
+    if dataset.modality == "image":
+        truth, estimate = secret.images, dataset.denormalize(proven).clamp(0, 1)
+    else:
+        truth, estimate = secret.inputs.to(torch.float64), proven
+    est, ref = match_samples(estimate, truth)
+    return int(batch_exact(estimate[est], truth[ref], atol).sum())
 
 
 def _data_metrics(dataset: Dataset):

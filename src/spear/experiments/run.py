@@ -28,7 +28,7 @@ from spear.fl import (
     pretrain,
     simulate_round,
 )
-from spear.inversion import InversionSettings, invert_to_inputs, layers_below
+from spear.inversion import Inversion, InversionSettings, RowSpaceInverter, invert_to_inputs, layers_below
 
 
 @dataclass(frozen=True)
@@ -164,6 +164,18 @@ def prepare_model(settings: ExperimentSettings, dataset: Dataset) -> tuple[torch
     return model, layer, layers[layer]
 
 
+def _certified_data(view, layer: str, rec: spear.Reconstruction) -> Inversion | None:
+    """A hidden layer's certified samples taken to the data one by one, where the batch is not
+    verified and only Linear -> ReLU pairs lie below (:class:`RowSpaceInverter`)."""
+    certified = rec.certified_inputs
+    if rec.verified or certified is None or not certified.shape[0] or not layers_below(view.model, layer):
+        return None
+    inverter = RowSpaceInverter()
+    if not inverter.applies(view.model, layer):
+        return None
+    return inverter(view.model, layer, view.gradients, rec)
+
+
 def run_experiment(settings: ExperimentSettings, progress=None) -> ExperimentResult:
     """Simulate one FL round (the settings' model, protocol, precision and clients), attack the
     settings' layer from the server's view, take hidden inputs back to the data (exactly through
@@ -208,9 +220,18 @@ def run_experiment(settings: ExperimentSettings, progress=None) -> ExperimentRes
             to_inputs=dataset.normalize,
             settings=InversionSettings(seed=settings.seed),
         )
+    certified_data = _certified_data(view, layer, rec)
     # --- evaluation: ground truth meets the result ---
     evaluation = evaluate(
-        dataset, model, layer, rec, inversion, secret, EXACT_ATOL[settings.torch_dtype], settings.seed
+        dataset,
+        model,
+        layer,
+        rec,
+        inversion,
+        secret,
+        EXACT_ATOL[settings.torch_dtype],
+        settings.seed,
+        certified_data=certified_data,
     )
     record = {
         "settings": settings.as_dict(),

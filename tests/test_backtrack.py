@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import spear
-from spear.core.backtrack import gradient_row_space, invert_relu_linear
+from spear.core.backtrack import RowSpace, gradient_row_space, invert_relu_linear
 from spear.fl import fully_connected, layer_inputs, simulate_fedsgd
 from spear.inversion import RowSpaceInverter
 from tests.conftest import assert_exact
@@ -100,16 +100,16 @@ def test_invert_relu_linear_needs_a_determined_system_in_the_right_row_space():
     X = torch.randn(5, 30, generator=g, dtype=torch.float64)
     H = torch.relu(X @ W.T + bias)
     grad = torch.randn(40, 5, generator=g, dtype=torch.float64) @ X  # rank 5, rows span the inputs
-    good = invert_relu_linear(H, W, bias, gradient_row_space(grad, torch.float64), 1e-8, 1e-9)
+    good = invert_relu_linear(H, W, bias, gradient_row_space(grad, torch.float64), 0.0, 1e-8, 1e-9)
     assert bool(good.exact.all()) and torch.allclose(good.inputs, X, atol=1e-10)
     other = torch.linalg.qr(torch.randn(30, 5, generator=g, dtype=torch.float64)).Q.T
-    assert not bool(invert_relu_linear(H, W, bias, other, 1e-8, 1e-9).exact.any())
+    assert not bool(invert_relu_linear(H, W, bias, RowSpace(other, 0.0), 0.0, 1e-8, 1e-9).exact.any())
     # weights of rank 3 < 5 unknowns: every active set leaves a family of exact fits
     low = torch.randn(60, 3, generator=g, dtype=torch.float64) @ torch.randn(
         3, 30, generator=g, dtype=torch.float64
     )
     H = torch.relu(X @ low.T + bias)
-    flat = invert_relu_linear(H, low, bias, gradient_row_space(grad, torch.float64), 1e-8, 1e-9)
+    flat = invert_relu_linear(H, low, bias, gradient_row_space(grad, torch.float64), 0.0, 1e-8, 1e-9)
     assert not bool(flat.exact.any()) and bool(torch.isinf(flat.misfit).all())
 
 
@@ -158,3 +158,22 @@ def test_an_experiment_inverts_certified_samples_only_when_the_batch_is_not_veri
     hidden = layer_inputs(view.model, "4", truth.inputs)
     data = _certified_data(view, "4", _certified(rec, hidden[:3]))
     assert data is not None and data.method == "row space" and data.exact.tolist() == [True] * 3
+
+
+def test_an_ill_conditioned_system_is_exact_only_where_its_data_are_precise_enough():
+    # the active system's condition (~1e6) times float32's row space (~1e-7) exceeds float32's
+    # 1e-3: it fits its equations with a wrong x, so it is refused; float64 solves it to ~1e-10
+    g = torch.Generator().manual_seed(0)
+    X = torch.randn(5, 30, generator=g, dtype=torch.float64)
+    span = torch.linalg.qr(X.T).Q.T
+    W = torch.randn(60, 30, generator=g, dtype=torch.float64)
+    W = W - (1 - 1e-6) * (W @ span[0])[:, None] * span[0][None, :]
+    bias = torch.randn(60, generator=g, dtype=torch.float64)
+    H = torch.relu(X @ W.T + bias)
+    grad = torch.randn(40, 5, generator=g, dtype=torch.float64) @ X
+    wide = invert_relu_linear(H, W, bias, gradient_row_space(grad, torch.float64), 0.0, 1e-8, 1e-9)
+    assert bool(wide.exact.all()) and torch.allclose(wide.inputs, X, atol=1e-8)
+    assert float(wide.precision.max()) > 1e3 * float(torch.finfo(torch.float64).eps)
+    space = gradient_row_space(grad.float(), torch.float32)
+    narrow = invert_relu_linear(H.float(), W.float(), bias.float(), space, 1.2e-7, 1e-3, 1e-4)
+    assert not bool(narrow.exact.any())

@@ -81,14 +81,15 @@ class RowSpaceInverter(Inverter):
         inputs = hidden.to(torch.float64)
         exact = torch.ones(inputs.shape[0], dtype=torch.bool)
         worst = torch.zeros(inputs.shape[0], dtype=torch.float64)
+        precision: torch.Tensor | float = torch.finfo(dtype).eps  # the recovered inputs'
         for name, linear in reversed(linears):
             grad = gradients[_key(name)].detach()
             space = gradient_row_space(grad, grad.dtype, reconstruction.batch_size)
             bias = linear.bias.detach() if linear.bias is not None else torch.zeros(linear.out_features)
-            step = invert_relu_linear(
-                inputs, linear.weight.detach(), bias, space, tol.verify_rtol, tol.zero_rtol
-            )
+            weight = linear.weight.detach()
+            step = invert_relu_linear(inputs, weight, bias, space, precision, tol.verify_rtol, tol.zero_rtol)
             inputs, exact, worst = step.inputs, exact & step.exact, torch.maximum(worst, step.misfit)
+            precision = step.precision
         notes = (
             [] if bool(exact.all()) else [f"{int((~exact).sum())} sample(s) not determined or not consistent"]
         )

@@ -110,7 +110,7 @@ def test_invert_relu_linear_needs_a_determined_system_in_the_right_row_space():
     )
     H = torch.relu(X @ low.T + bias)
     flat = invert_relu_linear(H, low, bias, gradient_row_space(grad, torch.float64), 0.0, 1e-8, 1e-9)
-    assert not bool(flat.exact.any()) and bool(torch.isinf(flat.misfit).all())
+    assert not bool(flat.exact.any()) and float(flat.precision.min()) > 1e-3  # x is anything
 
 
 def test_the_row_space_inversion_names_what_it_cannot_do(mnist):

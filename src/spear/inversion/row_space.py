@@ -82,7 +82,7 @@ class RowSpaceInverter(Inverter):
         exact = torch.ones(inputs.shape[0], dtype=torch.bool)
         worst = torch.zeros(inputs.shape[0], dtype=torch.float64)
         precision: torch.Tensor | float = torch.finfo(dtype).eps  # the recovered inputs'
-        for name, linear in reversed(linears):
+        for depth, (name, linear) in enumerate(reversed(linears)):
             grad = gradients[_key(name)].detach()
             space = gradient_row_space(grad, grad.dtype, reconstruction.batch_size)
             bias = linear.bias.detach() if linear.bias is not None else torch.zeros(linear.out_features)
@@ -90,6 +90,9 @@ class RowSpaceInverter(Inverter):
             step = invert_relu_linear(inputs, weight, bias, space, precision, tol.verify_rtol, tol.zero_rtol)
             inputs, exact, worst = step.inputs, exact & step.exact, torch.maximum(worst, step.misfit)
             precision = step.precision
+            if depth < len(linears) - 1:  # a ReLU's output: negative entries fit no input below
+                floor = -tol.verify_rtol * inputs.abs().amax(dim=1)
+                exact &= (inputs >= floor[:, None]).all(dim=1)
         notes = (
             [] if bool(exact.all()) else [f"{int((~exact).sum())} sample(s) not determined or not consistent"]
         )

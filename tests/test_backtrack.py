@@ -177,3 +177,52 @@ def test_an_ill_conditioned_system_is_exact_only_where_its_data_are_precise_enou
     space = gradient_row_space(grad.float(), torch.float32)
     narrow = invert_relu_linear(H.float(), W.float(), bias.float(), space, 1.2e-7, 1e-3, 1e-4)
     assert not bool(narrow.exact.any())
+
+
+def test_a_bias_that_dwarfs_the_layers_input_is_not_mistaken_for_precision(mnist):
+    # h = relu(W x + 1e4) in float32 keeps W x to ~1e-3 only: fitting h to 1e-3 of h fits W x
+    # to nothing, so the inputs are not determined to float32's tolerance
+    model = fully_connected(784, 200, 3, seed=0, dtype=torch.float32)
+    with torch.no_grad():
+        model[0].bias += 1e4
+    view, truth = simulate_fedsgd(model, mnist, 16, seed=0)
+    rec = spear.attack_layer(view.model, "2", view.gradients, max_proposals=1, peel=False)
+    images = RowSpaceInverter()(
+        view.model, "2", view.gradients, _certified(rec, layer_inputs(view.model, "2", truth.inputs))
+    )
+    error = (images.inputs - truth.inputs.double()).abs().amax(dim=1) / truth.inputs.abs().amax()
+    assert not images.verified and not bool((images.exact & ~(error < 1e-3)).any())
+
+
+def test_a_solved_activation_below_zero_ends_the_chain(mnist):
+    # layer 0 built so that two samples activate disjoint halves of its 20 units: y1 - y2 / 2
+    # lies in the span of the layer's outputs and reproduces a layer-4 input through layers 2
+    # and 0 on its positive units, but as a ReLU output it is impossible (negative entries)
+    x = mnist.normalize(mnist.images[:2]).reshape(2, -1).double()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(784, 20),
+        torch.nn.ReLU(),
+        torch.nn.Linear(20, 30),
+        torch.nn.ReLU(),
+        torch.nn.Linear(30, 10),
+    ).double()
+    half = torch.cat([torch.ones(10), -torch.ones(10)]).double()
+    target = torch.stack([half, -half], dim=1) - model[0].bias.detach()[:, None]  # (20, 2) pre-activations
+    with torch.no_grad():
+        model[0].weight.copy_(target @ torch.linalg.solve(x @ x.T, x))
+    loss = torch.nn.functional.cross_entropy(model(x), torch.tensor([0, 1]))
+    grads = dict(
+        zip(
+            [n for n, _ in model.named_parameters()],
+            torch.autograd.grad(loss, list(model.parameters())),
+            strict=True,
+        )
+    )
+    rec = spear.attack_layer(model, "4", grads, max_proposals=1, peel=False)
+    y = layer_inputs(model, "2", x)
+    wrong = torch.relu(model[2](y[0] - 0.5 * y[1]))
+    images = RowSpaceInverter()(
+        model, "4", grads, _certified(rec, torch.cat([layer_inputs(model, "4", x), wrong[None]]))
+    )
+    assert images.exact.tolist() == [True, True, False]

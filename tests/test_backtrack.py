@@ -48,6 +48,10 @@ def test_certified_samples_alone_invert_without_the_rest_of_the_batch(mnist):
     images = RowSpaceInverter()(view.model, "4", view.gradients, some)
     assert images.verified and images.exact.tolist() == [True] * 3
     assert_exact(images.inputs, truth.inputs[[1, 5, 9]].double(), rtol=1e-9)
+    as_numpy = {name: g.numpy() for name, g in view.gradients.items()}  # what a server may hold
+    assert torch.allclose(
+        RowSpaceInverter()(view.model, "4", as_numpy, some).inputs, images.inputs, atol=1e-12
+    )
 
 
 def test_float32_gradients_invert_to_float32_precision(mnist):

@@ -173,7 +173,10 @@ def _certified_data(view, layer: str, rec: spear.Reconstruction) -> Inversion | 
     inverter = RowSpaceInverter()
     if not inverter.applies(view.model, layer):
         return None
-    return inverter(view.model, layer, view.gradients, rec)
+    try:
+        return inverter(view.model, layer, view.gradients, rec)
+    except InputError:  # an update without the lower layers' gradients: nothing to invert with
+        return None
 
 
 def run_experiment(settings: ExperimentSettings, progress=None) -> ExperimentResult:

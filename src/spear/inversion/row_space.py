@@ -28,9 +28,11 @@ class RowSpaceInverter(Inverter):
     """Per-sample exact inversion through ``Linear -> ReLU`` layers (see the module doc).
 
     It inverts the reconstruction's verified batch, else its certified samples. The result's
-    ``exact`` flags each sample: every layer's system was determined (enough active units, in
-    general position) and its solution reproduced the sample's outputs to ``rtol`` (default:
-    the verification tolerance of the gradients' dtype, 1e-8 in float64, 1e-3 in float32).
+    ``exact`` flags each sample: at every layer the data determined its inputs to ``rtol``
+    (their estimated error, :func:`spear.core.backtrack.invert_relu_linear`), the solution
+    reproduced the sample's outputs to ``rtol``, and a solved ReLU output was nonnegative
+    (``rtol`` default: the verification tolerance of the gradients' dtype, 1e-8 in float64,
+    1e-3 in float32).
     ``verified`` is True when every sample is exact (the inputs it starts from are proven: a
     verified batch or certified samples).
     """
@@ -76,14 +78,14 @@ class RowSpaceInverter(Inverter):
         missing = [n for n, _ in linears if _key(n) not in gradients]
         if missing:
             raise InputError(f"the update lacks the weight gradients of layers {missing}: they are needed")
-        dtype = _source_dtype(gradients[_key(n)] for n, _ in linears)
+        dtype = _source_dtype(torch.as_tensor(gradients[_key(n)]) for n, _ in linears)
         tol = Tolerances.for_dtype(dtype, verify_rtol=self.rtol)
         inputs = hidden.to(torch.float64)
         exact = torch.ones(inputs.shape[0], dtype=torch.bool)
         worst = torch.zeros(inputs.shape[0], dtype=torch.float64)
         precision: torch.Tensor | float = torch.finfo(dtype).eps  # the recovered inputs'
         for depth, (name, linear) in enumerate(reversed(linears)):
-            grad = gradients[_key(name)].detach()
+            grad = torch.as_tensor(gradients[_key(name)]).detach()
             space = gradient_row_space(grad, grad.dtype, reconstruction.batch_size)
             bias = linear.bias.detach() if linear.bias is not None else torch.zeros(linear.out_features)
             weight = linear.weight.detach()

@@ -9,7 +9,7 @@ import torch
 
 import spear
 from spear.core.backtrack import RowSpace, gradient_row_space, invert_relu_linear
-from spear.fl import fully_connected, layer_inputs, simulate_fedsgd
+from spear.fl import fedsgd_gradients, fully_connected, layer_inputs, simulate_fedsgd
 from spear.inversion import RowSpaceInverter
 from tests.conftest import assert_exact
 
@@ -215,14 +215,7 @@ def test_a_solved_activation_below_zero_ends_the_chain(mnist):
     target = torch.stack([half, -half], dim=1) - model[0].bias.detach()[:, None]  # (20, 2) pre-activations
     with torch.no_grad():
         model[0].weight.copy_(target @ torch.linalg.solve(x @ x.T, x))
-    loss = torch.nn.functional.cross_entropy(model(x), torch.tensor([0, 1]))
-    grads = dict(
-        zip(
-            [n for n, _ in model.named_parameters()],
-            torch.autograd.grad(loss, list(model.parameters())),
-            strict=True,
-        )
-    )
+    grads = fedsgd_gradients(model, x, torch.tensor([0, 1]))
     rec = spear.attack_layer(model, "4", grads, max_proposals=1, peel=False)
     y = layer_inputs(model, "2", x)
     wrong = torch.relu(model[2](y[0] - 0.5 * y[1]))

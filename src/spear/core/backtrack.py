@@ -45,14 +45,12 @@ class TracedInputs:
             (inf where undetermined).
         precision: (k,) the solution's estimated relative error: an equation's noise over
             the system's smallest singular value (inf where undetermined).
-        active: (k,) how many units sample j activates (the system's equations).
     """
 
     inputs: torch.Tensor
     exact: torch.Tensor
     misfit: torch.Tensor
     precision: torch.Tensor
-    active: torch.Tensor
 
 
 @dataclass(frozen=True)
@@ -128,7 +126,7 @@ def invert_relu_linear(
         precision[j] = _solution_error(A, rhs, r, S, float(given[j]), row_space.precision) / x.abs().amax()
     # x_j's part off the row space is not in the residual: the row space's own precision bounds it
     determined = precision.clamp_min(row_space.precision) < rtol
-    return TracedInputs(inputs, (misfit <= rtol) & determined, misfit, precision, active.sum(dim=1))
+    return TracedInputs(inputs, (misfit <= rtol) & determined, misfit, precision)
 
 
 def _solution_error(

@@ -414,10 +414,6 @@ class CandidatePool:
         )
         kept, match = self._first_new(snapped.directions)
         duplicate = match >= 0
-        if not kept.numel():
-            self.certified[match[duplicate & sure]] = True
-            self._bound_untrusted()
-            return 0
         certain = snapped.zero_masks if snapped.certain_zero is None else snapped.certain_zero
         flags = torch.ones(n, dtype=torch.bool) if snapped.robust is None else snapped.robust
         wrong = torch.zeros(n, dtype=torch.bool) if snapped.refuted is None else snapped.refuted

@@ -450,16 +450,12 @@ class _Attack:
 
     def _absorb(self, snapped: SnapResult) -> None:
         fresh = self._peel(snapped)
+        if fresh is not None and len(fresh):
+            self.peeled.extend(fresh)  # certified: the result counts them whatever follows
         if self.setup.deadline.passed():
-            # the run ends here: the samples peeling certified stand (the result counts them);
-            # pooling and selecting would only overrun the budget
-            if fresh is not None and len(fresh):
-                self.peeled.extend(fresh)
-            return
+            return  # the run ends here: pooling and selecting would only overrun the budget
         known_before = int(self.pool.trusted_mask.sum())
         added = self.pool.add(snapped)
-        if fresh is not None and len(fresh):
-            self.peeled.extend(fresh)
         changed = bool(added) or int(self.pool.trusted_mask.sum()) != known_before
         if not self.search.update(self.pool, self.peeled, changed, 0 if fresh is None else len(fresh)):
             self.peeler = None  # the last sample did not certify: peeling has done what it can

@@ -5,6 +5,7 @@ Public API::
     import spear
     rec = spear.reconstruct(W, b, dW, db)          # one linear layer followed by ReLU
     rec = spear.attack_layer(model, "0", grads)    # a layer of a torch model
+    res = spear.attack_model(model, grads)         # every layer, certified samples subtracted
     rec.inputs, rec.verified, rec.sigma, rec.stats
 """
 
@@ -18,6 +19,7 @@ os.environ.setdefault("MKL_CBWR", "AUTO")
 
 from spear import fl, theory
 from spear.api import attack_layer, build_options, reconstruct
+from spear.cascade import CascadeResult, attack_model
 from spear.core.result import AttackOptions, AttackStats, ProgressEvent, Reconstruction
 from spear.errors import InputError, NoSparsityError, RankError, SpearError, TheoryError
 
@@ -26,6 +28,7 @@ __version__ = "0.1.0"
 __all__ = [
     "AttackOptions",
     "AttackStats",
+    "CascadeResult",
     "InputError",
     "NoSparsityError",
     "ProgressEvent",
@@ -35,6 +38,7 @@ __all__ = [
     "TheoryError",
     "__version__",
     "attack_layer",
+    "attack_model",
     "build_options",
     "fl",
     "reconstruct",

@@ -296,6 +296,65 @@ def attack(
 
 
 @app.command()
+def cascade(
+    dataset: DatasetOpt = DEFAULT_DATASET,
+    batch_size: BatchOpt = DEFAULT_BATCH,
+    width: WidthOpt = None,
+    depth: DepthOpt = DEFAULT_DEPTH,
+    seed: SeedOpt = 0,
+    max_proposals: Annotated[
+        int | None, typer.Option(help="proposal budget of each attack in the first pass (doubles each pass)")
+    ] = None,
+    time_budget: Annotated[float | None, typer.Option(help="seconds for the whole cascade")] = None,
+    attack_budget: Annotated[
+        float | None,
+        typer.Option(
+            help="seconds per attack in the first pass, doubled each pass (default: budget / 2 layers)"
+        ),
+    ] = None,
+    layers: Annotated[
+        str | None, typer.Option(help="comma-separated Linear layers in attack order (default: middle first)")
+    ] = None,
+    rounds: Annotated[int, typer.Option(help="passes over the layers at most")] = 4,
+    proposer: ProposerOpt = "auto",
+    init: InitOpt = "default",
+    pretrain_steps: PretrainOpt = None,
+    dtype: DtypeOpt = None,
+    json_output: Annotated[bool, typer.Option("--json", help="print the result as JSON on stdout")] = False,
+) -> None:
+    """Attack an MLP's layers in turn, taking every certified sample out of every layer's gradient
+    before the next attack (spear.cascade.attack_model), and count the exact samples."""
+    from spear.experiments.cascade import run_cascade_experiment
+    from spear.experiments.report import json_safe
+
+    settings = _settings(model="mlp", **_experiment_options(locals()))
+    if rounds < 1:
+        _fail("--rounds must be >= 1")
+    console = Console(stderr=json_output)
+
+    def show(step) -> None:
+        console.print(
+            f"layer {step.layer}: +{step.added} samples (b' = {step.remaining}, {step.seconds:.1f} s, "
+            f"{step.stop_reason})"
+        )
+
+    order = None if layers is None else _split(layers, "--layers")
+    try:
+        record = run_cascade_experiment(settings, order, attack_budget, rounds, progress=show)
+    except SpearError as exc:
+        _fail(str(exc))
+    if json_output:
+        sys.stdout.write(json.dumps(json_safe(record), indent=2, allow_nan=False) + "\n")
+        return
+    summary = record["cascade"]
+    console.print(
+        f"{summary['found']} of {settings.batch_size} samples found ({record['exact_samples']} exact), "
+        f"{'complete' if summary['complete'] else 'not complete'} ({summary['stop_reason']}), "
+        f"{record['seconds']:.1f} s"
+    )
+
+
+@app.command()
 def evaluate(
     batches: Annotated[int, typer.Option(help="number of batches K")] = 10,
     results: Annotated[Path, typer.Option(help="JSONL file; existing batches are resumed")] = Path(

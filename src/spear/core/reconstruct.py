@@ -980,7 +980,9 @@ def finish(
     """The :class:`Reconstruction` of the best selection (or of what was certified so far)."""
     b, opts = setup.b, setup.options
     rows = setup.problem.sparse_factor.shape[0]
-    certified_inputs, certified_labels = _certified_samples(setup, peeled, verdict, selection)
+    certified_inputs, certified_labels, certified_weights = _certified_samples(
+        setup, peeled, verdict, selection
+    )
     stats = AttackStats(
         proposals=0 if attack is None else attack.drawn,
         candidates=1 if attack is None else len(attack.pool),
@@ -1006,6 +1008,7 @@ def finish(
         "mode": opts.sparsity,
         "certified_inputs": certified_inputs,
         "certified_labels": certified_labels,
+        "certified_weights": certified_weights,
         "notes": notes,
     }
     peeled_note = f"; {len(peeled)} sample(s) recovered and certified one by one" if len(peeled) else ""
@@ -1082,12 +1085,12 @@ def finish(
 
 def _certified_samples(
     setup: AttackSetup, peeled: PeeledSamples, verdict: Verdict | None, selection: Selection | None
-) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     """The samples certified one by one: those peeled, and, in a consistent batch the model does
     not verify as a whole, its columns the model certifies on their own
-    (:func:`spear.core.verdict.individually_certified`); with their labels (-1 where unknown),
-    or None when no label is known."""
-    inputs, labels = setup.expand_inputs(peeled.inputs), peeled.labels
+    (:func:`spear.core.verdict.individually_certified`); with their labels (-1 where unknown)
+    and loss weights (NaN where unknown), both None when no label is known."""
+    inputs, labels, weights = setup.expand_inputs(peeled.inputs), peeled.labels, peeled.weights
     if verdict is not None and verdict.consistent and selection is not None and len(peeled):
         inputs = _as_assembled(setup, peeled, verdict, selection, inputs)
     extra = None if verdict is None or verdict.verified else verdict.individual
@@ -1102,9 +1105,12 @@ def _certified_samples(
         extra = extra.to(verdict.inputs.device)
         inputs = torch.cat([inputs, verdict.inputs[extra].to(inputs)])
         labels = torch.cat([labels, verdict.certificates.labels.to(extra.device)[extra].to(labels)])
+        weights = torch.cat([weights, verdict.certificates.weights.to(extra.device)[extra].to(weights)])
     if inputs.shape[0] == 0:
-        return None, None
-    return inputs, labels if bool((labels >= 0).any()) else None
+        return None, None, None
+    if not bool((labels >= 0).any()):
+        return inputs, None, None
+    return inputs, labels, weights
 
 
 def _as_assembled(

@@ -146,6 +146,8 @@ class Reconstruction:
         ambiguous: groups of sample indices (into ``inputs``) that this layer's gradient does
             not determine (e.g. samples sharing an activation pattern: only their span is).
         certified_labels: (f,) labels of ``certified_inputs`` (-1 where unknown), or None.
+        certified_weights: (f,) their loss weights as the model certificate fitted them (1/B
+            for a batch mean; NaN where unknown), or None with ``certified_labels``.
         notes: further remarks (e.g. that the model's certificate fits no sample, or that the
             columns are too dense for the sparsity filter).
         input_precision: (b,) for a verified batch, how precisely the gradient determines
@@ -180,6 +182,7 @@ class Reconstruction:
     consistent: bool = False
     ambiguous: tuple[tuple[int, ...], ...] = ()
     certified_labels: torch.Tensor | None = None
+    certified_weights: torch.Tensor | None = None
     notes: tuple[str, ...] = ()
     client_batch_size: int | None = None
     missing_samples: int | None = None

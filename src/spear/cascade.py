@@ -1,0 +1,402 @@
+"""The model-level cascade: each certified sample, from any layer, is taken out of every layer.
+
+A FedSGD update is a sum of per-sample gradients, ``dL/dtheta = sum_j w_j d loss(x_j, y_j) /
+dtheta`` (``w_j = 1/B`` for a batch mean). A sample that an attack on some layer certifies
+(:mod:`spear.certify`: its label and loss weight come with it) and that inverts exactly to the
+data (:class:`spear.inversion.RowSpaceInverter`, or the first layer itself) has a known
+per-sample gradient at *every* layer. Subtracting it leaves the gradient of the other samples,
+every layer's rank one lower: the LT-code paper's peeling (Shariati & Meybodi 2026, see
+``anchors.md``) with the whole model as the certificate, so any certified sample, not only a
+neuron's singleton, starts it. Attacks on the residual then face b' < b samples, where SPEAR's
+sampling (Lemma 5.2 of the SPEAR paper) needs b' - 1 zeros of a column instead of b - 1, and
+different layers find different samples (a 6 x 1000 MLP at b = 256: layers 8 and 0 certify 26
+and 24 samples, 3 of them shared).
+
+A sample enters the result only when it is certified at its layer *and* exact in the data, so
+each one is proven on its own. A wrong subtraction could only hide samples from later attacks;
+it cannot make them certify a wrong one (each is certified against the model on its own). The
+result is ``complete`` when the samples found explain every layer's gradient to the
+verification tolerance: then no sample with a nonzero gradient is left.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from spear.api import attack_layer
+from spear.certify import LossFn, _cross_entropy
+from spear.core.certificate import infer_reduction
+from spear.core.consistency import Tolerances
+from spear.core.result import Reconstruction
+from spear.errors import InputError, SpearError
+from spear.inversion.base import layers_below
+from spear.inversion.row_space import RowSpaceInverter
+
+
+@dataclass(frozen=True)
+class CascadeStep:
+    """One attack of the cascade: the layer, the samples it added, its own record."""
+
+    layer: str
+    added: int  # samples certified at the layer and exact in the data, now subtracted
+    certified: int  # samples the layer's attack certified (hidden inputs for a later layer)
+    remaining: int | None  # the residual's batch size b' as the attack read it (its rank)
+    seconds: float
+    stop_reason: str
+    message: str
+
+
+@dataclass(frozen=True)
+class CascadeResult:
+    """What :func:`attack_model` proved.
+
+    Attributes:
+        inputs: (k, n_0) the model inputs found, each certified at its layer and exact in the
+            data (in the order found); ``labels`` (k,) and ``weights`` (k,) their labels and
+            loss weights (``1/B`` for a batch mean; ``k/B`` for a sample present k times).
+        layers: (k,) the layer whose attack certified each sample.
+        complete: the samples explain the whole update: every layer's gradient minus theirs is
+            within the verification tolerance of zero (``residual``). Then the batch is
+            recovered, apart from samples whose loss gradient is zero (``missing``).
+        residual: the largest relative norm, over the attacked layers' weight gradients, of
+            the gradient the found samples leave unexplained.
+        batch_size: the client's batch size B read off the weights (a mean), or None.
+        missing: B minus the samples found (with multiplicity), or None.
+        steps: one :class:`CascadeStep` per attack, in order.
+        stop_reason: "complete", "exhausted" (a whole pass over the layers added nothing),
+            "time budget", "rounds" or "interrupted".
+    """
+
+    inputs: torch.Tensor
+    labels: torch.Tensor
+    weights: torch.Tensor
+    layers: tuple[str, ...]
+    complete: bool
+    residual: float
+    batch_size: int | None
+    missing: int | None
+    steps: tuple[CascadeStep, ...]
+    seconds: float
+    stop_reason: str
+
+    @property
+    def verified(self) -> bool:
+        """Every sample is proven on its own; with ``complete``, the batch is too."""
+        return self.complete
+
+    def summary(self) -> dict[str, Any]:
+        """JSON-ready summary (no tensors)."""
+        return {
+            "found": int(self.inputs.shape[0]),
+            "complete": self.complete,
+            "residual": self.residual,
+            "batch_size": self.batch_size,
+            "missing": self.missing,
+            "labels": [int(v) for v in self.labels.tolist()],
+            "layers": list(self.layers),
+            "seconds": self.seconds,
+            "stop_reason": self.stop_reason,
+            "steps": [step.__dict__ for step in self.steps],
+        }
+
+
+@dataclass
+class _Found:
+    """The samples found so far (float64, on the CPU)."""
+
+    inputs: list[torch.Tensor] = field(default_factory=list)
+    labels: list[torch.Tensor] = field(default_factory=list)
+    weights: list[torch.Tensor] = field(default_factory=list)
+    layers: list[str] = field(default_factory=list)
+
+    def add(self, inputs: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor, layer: str) -> None:
+        self.inputs.append(inputs)
+        self.labels.append(labels)
+        self.weights.append(weights)
+        self.layers.extend([layer] * int(inputs.shape[0]))
+
+    def stacked(self, width: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        if not self.inputs:
+            empty = torch.empty(0, dtype=torch.float64)
+            return empty.view(0, width), torch.empty(0, dtype=torch.long), empty
+        return torch.cat(self.inputs), torch.cat(self.labels), torch.cat(self.weights)
+
+
+def cascade_layers(model: nn.Module) -> list[str]:
+    """The layers the cascade can use: each ``nn.Linear`` followed by a ReLU whose certified
+    samples reach the data exactly (the first layer, or Linear -> ReLU pairs below), in the
+    default order: the hidden layers from the middle outwards, then the first layer.
+
+    The order is measured, not derived: on 6-layer MLPs (MNIST, widths 200 and 1000) the
+    middle layers (nonnegative, sparse inputs, neurons less alike than the deepest ones)
+    recovered whole batches that the first and the last failed (README, "The model cascade")."""
+    from spear.fl.models import attackable_layers
+
+    inverter = RowSpaceInverter()
+    usable = [
+        name
+        for name, sparsity in attackable_layers(model).items()
+        if sparsity == "output" and (not layers_below(model, name) or inverter.applies(model, name))
+    ]
+    hidden = [name for name in usable if layers_below(model, name)]
+    middle = (len(hidden) - 1) / 2
+    ranked = sorted(range(len(hidden)), key=lambda i: (abs(i - middle), i))
+    return [hidden[i] for i in ranked] + [name for name in usable if name not in hidden]
+
+
+def per_sample_gradients(
+    model: nn.Module,
+    inputs: torch.Tensor,
+    labels: torch.Tensor,
+    weights: torch.Tensor,
+    loss: LossFn = _cross_entropy,
+) -> dict[str, torch.Tensor]:
+    """``sum_j w_j d loss(model(x_j), y_j) / dtheta`` for every parameter, in float64: the part
+    of the client's update that the samples (k, n_0) with labels (k,) and weights (k,) make."""
+    net = copy.deepcopy(model).to(torch.float64).eval()
+    params = dict(net.named_parameters())
+    x = inputs.to(torch.float64)
+    with torch.enable_grad():
+        per_sample = loss(net(x), labels.long())
+        total = (per_sample * weights.to(torch.float64)).sum()
+        grads = torch.autograd.grad(total, list(params.values()), allow_unused=True)
+    return {
+        name: torch.zeros_like(p) if g is None else g.detach()
+        for (name, p), g in zip(params.items(), grads, strict=True)
+    }
+
+
+def attack_model(
+    model: nn.Module,
+    gradients: Mapping[str, Any],
+    layers: Sequence[str] | None = None,
+    *,
+    time_budget: float | None = None,
+    attack_budget: float | None = None,
+    max_rounds: int = 4,
+    loss: str | LossFn = "cross_entropy",
+    progress: Callable[[CascadeStep], None] | None = None,
+    **options: Any,
+) -> CascadeResult:
+    """Attack every layer of ``layers`` in turn, subtracting each certified sample from every
+    layer before the next attack (see the module doc).
+
+    Args:
+        model: the global model (a (nested) ``nn.Sequential`` of Linear and ReLU layers up to
+            the attacked ones; any classifier head after them).
+        gradients: parameter name -> gradient, as :func:`spear.attack_layer` takes them.
+        layers: the layers to attack, in the order of each pass; default
+            :func:`cascade_layers` (the middle first, the first layer last).
+        time_budget: seconds for the whole cascade (a promise: each attack gets at most what
+            is left).
+        attack_budget: seconds for each attack in the first pass, doubled at every pass
+            (default: ``time_budget`` over twice the number of layers; none without one).
+            ``max_proposals`` in ``options`` doubles with it.
+        max_rounds: passes over ``layers`` at most. Without budgets a pass that adds nothing
+            ends it (the next would repeat it).
+        loss: the client's per-sample loss ("cross_entropy" or ``loss(logits, labels)``).
+        progress: called with each :class:`CascadeStep` as it finishes.
+        **options: for each :func:`spear.attack_layer` (``seed``, ``max_proposals``, ...).
+
+    Returns:
+        A :class:`CascadeResult`; ``complete`` when the samples found are the whole batch.
+    """
+    if isinstance(loss, str) and loss != "cross_entropy":
+        raise InputError(f"unknown loss {loss!r}; use 'cross_entropy' or pass a callable")
+    for name, value in (("time_budget", time_budget), ("attack_budget", attack_budget)):
+        number = isinstance(value, (int, float)) and not isinstance(value, bool)
+        if value is not None and not (number and math.isfinite(value) and value > 0):
+            raise InputError(f"{name} must be a positive, finite number of seconds or None, got {value!r}")
+    if isinstance(max_rounds, bool) or not isinstance(max_rounds, int) or max_rounds < 1:
+        raise InputError(f"max_rounds must be an integer >= 1, got {max_rounds!r}")
+    usable = cascade_layers(model)
+    order = list(usable if layers is None else layers)
+    unusable = [name for name in order if name not in usable]
+    if unusable or not order:
+        raise InputError(
+            f"layers {unusable or order} cannot be used by the cascade: it needs Linear layers "
+            f"followed by a ReLU whose samples reach the data exactly ({usable})"
+        )
+    missing = [name for name, _ in model.named_parameters() if name not in gradients]
+    if missing:
+        raise InputError(
+            f"the update lacks the gradients of {missing[:6]}: the cascade subtracts samples from "
+            "every parameter, so it needs them all (model.named_parameters() names)"
+        )
+    if attack_budget is None and time_budget is not None:
+        attack_budget = time_budget / (2 * len(order))
+    plan = _Plan(order, time_budget, attack_budget, max_rounds, loss, progress, options)
+    return _Cascade(model, gradients, plan).run()
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """What :func:`attack_model` was asked to do."""
+
+    order: list[str]
+    time_budget: float | None
+    attack_budget: float | None
+    max_rounds: int
+    loss: str | LossFn
+    progress: Callable[[CascadeStep], None] | None
+    options: dict[str, Any]
+
+    @property
+    def loss_fn(self) -> LossFn:
+        return _cross_entropy if isinstance(self.loss, str) else self.loss
+
+
+class _Cascade:
+    """The state of one :func:`attack_model` run: the gradient left and the samples found."""
+
+    def __init__(self, model: nn.Module, gradients: Mapping[str, Any], plan: _Plan) -> None:
+        self.model = model
+        self.plan = plan
+        self.original = {k: torch.as_tensor(v).detach() for k, v in gradients.items()}
+        self.residual = dict(self.original)
+        self.found = _Found()
+        self.steps: list[CascadeStep] = []
+        self.start = time.perf_counter()
+        dtype = max((t.dtype for t in self.original.values()), key=lambda d: torch.finfo(d).eps)
+        self.tol = Tolerances.for_dtype(dtype)
+
+    def left(self) -> float | None:
+        if self.plan.time_budget is None:
+            return None
+        return self.plan.time_budget - (time.perf_counter() - self.start)
+
+    def run(self) -> CascadeResult:
+        reason = "rounds"
+        try:
+            reason = self._passes()
+        except KeyboardInterrupt:
+            reason = "interrupted"
+        return self._result(reason)
+
+    def _passes(self) -> str:
+        for round_ in range(self.plan.max_rounds):
+            before = len(self.found.layers)
+            for layer in self.plan.order:
+                if self._unexplained() <= self.tol.verify_rtol:
+                    return "explained"
+                left = self.left()
+                if left is not None and left <= 0:
+                    return "time budget"
+                self._attack(layer, left, 2**round_)
+            if (
+                len(self.found.layers) == before
+                and self.plan.attack_budget is None
+                and "max_proposals" not in self.plan.options
+            ):
+                return "exhausted"  # the next pass would run the same attacks again
+        return "explained" if self._unexplained() <= self.tol.verify_rtol else "rounds"
+
+    def _attack(self, layer: str, left: float | None, scale: int) -> None:
+        """One attack on the residual; each pass doubles the per-attack budgets (``scale``)."""
+        options = dict(self.plan.options)
+        per_attack = None if self.plan.attack_budget is None else self.plan.attack_budget * scale
+        budget = [t for t in (left, per_attack) if t is not None]
+        if budget:
+            options["time_budget"] = min(budget)
+        if options.get("max_proposals") is not None:
+            options["max_proposals"] = int(options["max_proposals"]) * scale
+        began = time.perf_counter()
+        try:
+            rec = attack_layer(self.model, layer, self.residual, loss=self.plan.loss, **options)
+        except SpearError as exc:  # e.g. the residual's rank cannot be read: nothing from this layer
+            self._record(CascadeStep(layer, 0, 0, None, time.perf_counter() - began, "error", str(exc)))
+            return
+        added = self._subtract(layer, rec)
+        certified = 0 if rec.certified_inputs is None else int(rec.certified_inputs.shape[0])
+        if rec.verified and rec.inputs is not None:
+            certified = int(rec.inputs.shape[0])
+        seconds = time.perf_counter() - began
+        self._record(
+            CascadeStep(layer, added, certified, rec.batch_size, seconds, rec.stats.stop_reason, rec.message)
+        )
+
+    def _record(self, step: CascadeStep) -> None:
+        self.steps.append(step)
+        if self.plan.progress is not None:
+            self.plan.progress(step)
+
+    def _subtract(self, layer: str, rec: Reconstruction) -> int:
+        """Take the attack's proven samples to the data; subtract the exact ones everywhere."""
+        samples = _proven_samples(rec)
+        if samples is None:
+            return 0
+        hidden, labels, weights = samples
+        if layers_below(self.model, layer):
+            try:
+                inversion = RowSpaceInverter()(self.model, layer, self.residual, rec)
+            except InputError:
+                return 0
+            data, exact = inversion.inputs, inversion.exact
+        else:
+            data, exact = hidden.to(torch.float64), torch.ones(hidden.shape[0], dtype=torch.bool)
+        keep = exact.cpu() & (labels.cpu() >= 0) & torch.isfinite(weights.cpu()) & (weights.cpu() > 0)
+        if not bool(keep.any()):
+            return 0
+        data, labels, weights = data.cpu()[keep], labels.cpu()[keep], weights.cpu().to(torch.float64)[keep]
+        taken = per_sample_gradients(self.model, data, labels, weights, self.plan.loss_fn)
+        for name, grad in taken.items():
+            if name in self.residual:
+                current = self.residual[name]
+                self.residual[name] = (current.to(torch.float64) - grad.to(current.device)).to(current.dtype)
+        self.found.add(data, labels, weights, layer)
+        return int(data.shape[0])
+
+    def _unexplained(self) -> float:
+        """The largest relative norm left in the attacked layers' weight gradients."""
+        worst = 0.0
+        for layer in self.plan.order:
+            key = f"{layer}.weight" if layer else "weight"
+            total = float(self.original[key].to(torch.float64).norm())
+            if total > 0:
+                worst = max(worst, float(self.residual[key].to(torch.float64).norm()) / total)
+        return worst
+
+    def _result(self, reason: str) -> CascadeResult:
+        width = next(p for p in self.model.parameters()).shape[-1]
+        inputs, labels, weights = self.found.stacked(width)
+        residual = self._unexplained()
+        reduction = infer_reduction(weights, self.tol.verify_rtol) if weights.numel() else None
+        batch_size = None if reduction is None else reduction.batch_size
+        missing = None if reduction is None else reduction.missing
+        # no sample left: the weights 1/B count every sample of the batch (a remaining faint
+        # sample can hide below the tolerance of the residual, never from the count)
+        complete = residual <= self.tol.verify_rtol and missing == 0
+        return CascadeResult(
+            inputs=inputs,
+            labels=labels,
+            weights=weights,
+            layers=tuple(self.found.layers),
+            complete=complete,
+            residual=residual,
+            batch_size=batch_size,
+            missing=missing,
+            steps=tuple(self.steps),
+            seconds=time.perf_counter() - self.start,
+            stop_reason="complete" if complete else reason,
+        )
+
+
+def _proven_samples(rec: Reconstruction) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """The attack's proven samples with labels and loss weights: the verified batch, else the
+    certified samples (the order :class:`RowSpaceInverter` inverts them in); None without."""
+    if rec.verified and rec.inputs is not None:
+        if rec.labels is None or rec.multiplicities is None or rec.reduction is None:
+            return None
+        scale = 1.0 / rec.client_batch_size if rec.reduction == "mean" and rec.client_batch_size else 1.0
+        return rec.inputs, rec.labels, rec.multiplicities.to(torch.float64) * scale
+    if rec.certified_inputs is None or rec.certified_labels is None or rec.certified_weights is None:
+        return None
+    return rec.certified_inputs, rec.certified_labels, rec.certified_weights

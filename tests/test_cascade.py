@@ -1,0 +1,135 @@
+"""The model cascade (spear.cascade): certified samples of any layer subtracted from every layer."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import spear
+from spear.cascade import attack_model, cascade_layers, per_sample_gradients
+from spear.fl import fedsgd_gradients, fully_connected, simulate_fedsgd
+from tests.conftest import assert_exact, match_rows
+
+
+@pytest.fixture(scope="module")
+def mnist():
+    from spear.data import load_dataset
+
+    return load_dataset("mnist")
+
+
+def _client(mnist, width: int, b: int, seed: int, dtype=torch.float64):
+    model = fully_connected(784, width, 6, seed=seed, dtype=dtype)
+    return simulate_fedsgd(model, mnist, b, seed=seed)
+
+
+def _assert_labels(result, truth) -> None:
+    r, c = match_rows(result.inputs, truth.inputs.double())
+    assert torch.equal(result.labels[r], truth.labels[c])
+
+
+def test_per_sample_gradients_add_up_to_the_clients_update():
+    torch.manual_seed(0)
+    model = fully_connected(20, 16, 3, seed=0, dtype=torch.float64)
+    x, y = torch.randn(6, 20, dtype=torch.float64), torch.randint(0, 10, (6,))
+    reference = fedsgd_gradients(model, x, y)  # the mean loss's gradient, computed by torch
+    weights = torch.full((6,), 1 / 6, dtype=torch.float64)
+    parts = [per_sample_gradients(model, x[[j]], y[[j]], weights[[j]]) for j in range(6)]
+    for name, grad in reference.items():
+        assert torch.allclose(sum(p[name] for p in parts), grad, rtol=1e-12, atol=1e-15)
+
+
+def test_subtracting_certified_samples_lets_the_same_layer_find_the_rest(mnist):
+    view, truth = _client(mnist, 200, 64, 1)
+    alone = spear.attack_layer(view.model, "0", view.gradients, seed=1, max_proposals=3000)
+    assert not alone.verified and alone.stats.certified == 32  # stuck, with 10x the work
+    result = attack_model(view.model, view.gradients, ["0"], max_proposals=300, seed=1, max_rounds=2)
+    assert [(s.added, s.remaining) for s in result.steps] == [(32, 64), (32, 32)]
+    assert result.complete and result.verified and result.missing == 0 and result.batch_size == 64
+    assert result.residual < 1e-12
+    assert_exact(result.inputs, truth.inputs.double(), rtol=1e-9)
+    _assert_labels(result, truth)
+
+
+def test_hidden_and_first_layer_samples_feed_each_other(mnist):
+    # layer 2's certified samples are inverted to the images and taken out of layer 0, and back
+    view, truth = _client(mnist, 200, 72, 1)
+    result = attack_model(view.model, view.gradients, ["2", "0"], max_proposals=200, seed=1, max_rounds=3)
+    added = [(s.layer, s.added) for s in result.steps]
+    assert added == [("2", 5), ("0", 6), ("2", 44), ("0", 17)]
+    assert result.complete and result.stop_reason == "complete"
+    assert set(result.layers) == {"0", "2"}
+    assert_exact(result.inputs, truth.inputs.double(), rtol=1e-9)
+    _assert_labels(result, truth)
+
+
+def test_float32_updates_complete_to_float32_precision(mnist):
+    view, truth = _client(mnist, 200, 48, 0, torch.float32)
+    result = attack_model(view.model, view.gradients, max_proposals=2000, seed=0, max_rounds=2)
+    assert result.complete and result.residual < 1e-4  # one sample is ~1/48 of the update
+    assert_exact(result.inputs, truth.inputs.double(), rtol=1e-4)
+    _assert_labels(result, truth)
+
+
+def test_samples_without_a_trace_keep_the_result_incomplete(mnist):
+    # the client's mean was over 50 samples but only 48 left a gradient (scaled as if two had a
+    # zero gradient): everything is explained, yet the weights 1/50 count two samples missing
+    view, truth = _client(mnist, 200, 48, 0)
+    scaled = {name: g * (48 / 50) for name, g in view.gradients.items()}
+    result = attack_model(view.model, scaled, max_proposals=2000, seed=0)
+    assert result.residual < 1e-12 and result.batch_size == 50 and result.missing == 2
+    assert not result.complete and not result.verified and result.stop_reason == "explained"
+    assert_exact(result.inputs, truth.inputs.double(), rtol=1e-9)
+
+
+def test_an_interrupted_cascade_keeps_what_it_subtracted(mnist):
+    view, truth = _client(mnist, 200, 72, 1)
+
+    def stop_after_two(step) -> None:
+        if step.layer == "0":
+            raise KeyboardInterrupt
+
+    result = attack_model(
+        view.model, view.gradients, ["2", "0"], max_proposals=200, seed=1, progress=stop_after_two
+    )
+    assert result.stop_reason == "interrupted" and result.inputs.shape[0] == 11 and not result.complete
+    r, c = match_rows(result.inputs, truth.inputs.double())
+    assert (result.inputs[r] - truth.inputs.double()[c]).abs().max() < 1e-9
+
+
+def test_a_spent_time_budget_attacks_nothing(mnist):
+    view, _ = _client(mnist, 200, 16, 0)
+    result = attack_model(view.model, view.gradients, time_budget=1e-9)
+    assert result.stop_reason == "time budget" and result.steps == () and result.inputs.shape == (0, 784)
+
+
+def test_default_layers_run_from_the_middle_and_end_with_the_first():
+    model = fully_connected(784, 50, 6, seed=0)
+    assert cascade_layers(model) == ["4", "6", "2", "8", "0"]
+    assert cascade_layers(fully_connected(784, 50, 2, seed=0)) == ["0"]
+
+
+@pytest.mark.parametrize(
+    ("layers", "options", "match"),
+    [
+        (["10"], {}, "cannot be used by the cascade"),
+        (["nope"], {}, "cannot be used by the cascade"),
+        ([], {}, "cannot be used by the cascade"),
+        (None, {"time_budget": -1}, "time_budget"),
+        (None, {"attack_budget": float("nan")}, "attack_budget"),
+        (None, {"max_rounds": 0}, "max_rounds"),
+        (None, {"loss": "mse"}, "unknown loss"),
+    ],
+)
+def test_bad_arguments_name_what_is_wrong(layers, options, match):
+    model = fully_connected(784, 50, 6, seed=0)
+    grads = {name: torch.zeros_like(p) for name, p in model.named_parameters()}
+    with pytest.raises(spear.InputError, match=match):
+        attack_model(model, grads, layers, **options)
+
+
+def test_an_update_without_every_parameter_is_refused():
+    model = fully_connected(784, 50, 6, seed=0)
+    grads = {name: torch.zeros_like(p) for name, p in model.named_parameters() if name != "4.bias"}
+    with pytest.raises(spear.InputError, match=r"lacks the gradients of \['4\.bias'\]"):
+        attack_model(model, grads)

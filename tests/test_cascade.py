@@ -82,6 +82,21 @@ def test_samples_without_a_trace_keep_the_result_incomplete(mnist):
     assert_exact(result.inputs, truth.inputs.double(), rtol=1e-9)
 
 
+def test_a_sample_found_twice_does_not_complete_the_count():
+    from spear.cascade import _Cascade, _Plan
+
+    model = fully_connected(784, 50, 6, seed=0)
+    grads = {name: torch.zeros_like(p) for name, p in model.named_parameters()}
+    cascade = _Cascade(model, grads, _Plan(["0"], None, None, 1, "cross_entropy", None, {}))
+    x, half = torch.rand(1, 784, dtype=torch.float64), torch.tensor([0.5], dtype=torch.float64)
+    cascade.found.add(x, torch.tensor([3]), half, "0")
+    cascade.found.add(torch.rand(1, 784, dtype=torch.float64), torch.tensor([3]), half, "0")
+    assert cascade._count().complete  # two distinct samples of weight 1/2: a batch of two
+    cascade.found.inputs[1] = x.clone()
+    count = cascade._count()
+    assert count.missing == 0 and not count.distinct and not count.complete
+
+
 def test_an_interrupted_cascade_keeps_what_it_subtracted(mnist):
     view, truth = _client(mnist, 200, 72, 1)
 

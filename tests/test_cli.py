@@ -223,3 +223,23 @@ def test_vulnerability_unwritable_out_is_a_clear_error(tmp_path):
     args = ["vulnerability", "-b", "2", "--width", "20", "--depth", "2", "--dataset", "digits"]
     result = runner.invoke(app, [*args, "--proxies", "grad_norm", "--out", str(blocker / "x")])
     assert result.exit_code == 2 and "cannot write the results" in result.output
+
+
+def test_cascade_json_recovers_the_batch_exactly():
+    result = runner.invoke(app, ["cascade", "--batch-size", "12", "--width", "60", "--depth", "4", "--json"])
+    assert result.exit_code == 0, result.output
+    payload = json.loads(result.stdout[result.stdout.index("{") :])
+    cascade = payload["cascade"]
+    assert cascade["complete"] is True and cascade["found"] == 12 and cascade["missing"] == 0
+    assert payload["exact_samples"] == 12 and payload["metrics"]["label_accuracy"] == 1.0
+    assert cascade["steps"] and {s["layer"] for s in cascade["steps"]} <= {"0", "2", "4"}
+
+
+def test_cascade_table_output_and_bad_layers():
+    result = runner.invoke(app, ["cascade", "--batch-size", "8", "--width", "60", "--depth", "3"])
+    assert result.exit_code == 0, result.output
+    assert "8 of 8 samples found (8 exact), complete" in result.output
+    bad = runner.invoke(app, ["cascade", "--batch-size", "8", "--width", "60", "--layers", "0,9"])
+    assert bad.exit_code == 2 and "cannot be used by the cascade" in bad.output
+    rounds = runner.invoke(app, ["cascade", "--batch-size", "8", "--width", "60", "--rounds", "0"])
+    assert rounds.exit_code == 2 and "--rounds must be >= 1" in rounds.output

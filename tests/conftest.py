@@ -139,3 +139,15 @@ def without_singletons(monkeypatch) -> None:
     """Switch the singleton cascade off (:mod:`spear.core.singletons`): it finds columns from
     neurons active for one sample, whatever their zero count."""
     _singletons_only(monkeypatch, sparse=False)
+
+
+def load_fashion_mnist():
+    """Fashion-MNIST, or a skip where its Debian package is not installed (``.ci/run`` installs
+    it where it can)."""
+    from spear.data import load_dataset
+    from spear.errors import InputError
+
+    try:
+        return load_dataset("fashion-mnist")
+    except InputError as exc:
+        pytest.skip(str(exc))

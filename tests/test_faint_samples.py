@@ -15,10 +15,10 @@ from spear.core.certificate import infer_reduction
 from spear.core.consistency import rounding_map
 from spear.core.filtering import rounding_floor, zero_mask
 from spear.core.verdict import LOOSEST_SAMPLE_RTOL, sample_tolerances
-from spear.data import load_dataset
 from spear.fl import shallow_mlp
 from spear.fl.client import fedsgd_gradients
 from spear.metrics import match_samples
+from tests.conftest import load_fashion_mnist
 
 B, FAINT = 32, 2
 
@@ -27,7 +27,7 @@ B, FAINT = 32, 2
 def faint_client():
     """The LT setting (raw Fashion-MNIST, F -> 1000 -> 10) with the two best-classified of 5,000
     samples in a batch of 32 (their losses ~3e-8; the others' median is ~10)."""
-    dataset = load_dataset("fashion-mnist")
+    dataset = load_fashion_mnist()
     model = shallow_mlp(dataset.features, 1000, seed=0)
     n = 5000
     inputs = dataset.images[:n].reshape(n, -1).double()

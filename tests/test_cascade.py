@@ -143,6 +143,39 @@ def test_bad_arguments_name_what_is_wrong(layers, options, match):
         attack_model(model, grads, layers, **options)
 
 
+def test_gradients_as_a_list_or_numpy_arrays_give_the_same_result(mnist):
+    view, truth = _client(mnist, 200, 48, 0)
+    as_list = [view.gradients[name].numpy() for name, _ in view.model.named_parameters()]
+    result = attack_model(view.model, as_list, max_proposals=2000, seed=0)
+    assert result.complete
+    assert_exact(result.inputs, truth.inputs.double(), rtol=1e-9)
+    same = attack_model(view.model, view.gradients, max_proposals=2000, seed=0)
+    assert [s.added for s in same.steps] == [s.added for s in result.steps]
+    assert_exact(result.inputs, same.inputs, rtol=1e-9)
+    with pytest.raises(spear.InputError, match="got 3 gradients but the model has 12"):
+        attack_model(view.model, as_list[:3])
+
+
+def test_an_attack_that_fails_keeps_the_samples_proven_before(mnist, monkeypatch):
+    import spear.cascade as cascade_module
+
+    view, truth = _client(mnist, 200, 72, 1)
+    real, calls = cascade_module.attack_layer, []
+
+    def second_call_fails(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            raise torch.linalg.LinAlgError("linalg.svd: the algorithm failed to converge")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(cascade_module, "attack_layer", second_call_fails)
+    result = attack_model(view.model, view.gradients, ["2", "0"], max_proposals=200, seed=1, max_rounds=3)
+    assert result.steps[1].stop_reason == "error" and "LinAlgError" in result.steps[1].message
+    assert result.steps[0].added == 5 and result.inputs.shape[0] > 5
+    r, c = match_rows(result.inputs, truth.inputs.double())
+    assert (result.inputs[r] - truth.inputs.double()[c]).abs().max() < 1e-9
+
+
 def test_an_update_without_every_parameter_is_refused():
     model = fully_connected(784, 50, 6, seed=0)
     grads = {name: torch.zeros_like(p) for name, p in model.named_parameters() if name != "4.bias"}

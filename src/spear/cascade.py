@@ -178,7 +178,7 @@ def per_sample_gradients(
 
 def attack_model(
     model: nn.Module,
-    gradients: Mapping[str, Any],
+    gradients: Mapping[str, Any] | Sequence[Any],
     layers: Sequence[str] | None = None,
     *,
     time_budget: float | None = None,
@@ -194,7 +194,8 @@ def attack_model(
     Args:
         model: the global model (a (nested) ``nn.Sequential`` of Linear and ReLU layers up to
             the attacked ones; any classifier head after them).
-        gradients: parameter name -> gradient, as :func:`spear.attack_layer` takes them.
+        gradients: parameter name -> gradient, or a list in ``model.parameters()`` order (numpy
+            arrays or tensors), as :func:`spear.attack_layer` takes them.
         layers: the layers to attack, in the order of each pass; default
             :func:`cascade_layers` (the middle first, the first layer last).
         time_budget: seconds for the whole cascade (a promise: each attack gets at most what
@@ -227,7 +228,16 @@ def attack_model(
             f"layers {unusable or order} cannot be used by the cascade: it needs Linear layers "
             f"followed by a ReLU whose samples reach the data exactly ({usable})"
         )
-    missing = [name for name, _ in model.named_parameters() if name not in gradients]
+    names = [name for name, _ in model.named_parameters()]
+    if not isinstance(gradients, Mapping):
+        listed = list(gradients)
+        if len(listed) != len(names):
+            raise InputError(
+                f"got {len(listed)} gradients but the model has {len(names)} parameters; pass one "
+                "per parameter in model.parameters() order, or a dict name -> gradient"
+            )
+        gradients = dict(zip(names, listed, strict=True))
+    missing = [name for name in names if name not in gradients]
     if missing:
         raise InputError(
             f"the update lacks the gradients of {missing[:6]}: the cascade subtracts samples from "
@@ -312,8 +322,11 @@ class _Cascade:
         began = time.perf_counter()
         try:
             rec = attack_layer(self.model, layer, self.residual, loss=self.plan.loss, **options)
-        except SpearError as exc:  # e.g. the residual's rank cannot be read: nothing from this layer
-            self._record(CascadeStep(layer, 0, 0, None, time.perf_counter() - began, "error", str(exc)))
+        except (SpearError, RuntimeError) as exc:
+            # e.g. the residual's rank cannot be read, or an SVD did not converge: nothing from
+            # this layer, and the samples proven so far stay
+            message = f"{type(exc).__name__}: {exc}"
+            self._record(CascadeStep(layer, 0, 0, None, time.perf_counter() - began, "error", message))
             return
         added = self._subtract(layer, rec)
         certified = 0 if rec.certified_inputs is None else int(rec.certified_inputs.shape[0])

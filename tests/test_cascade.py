@@ -82,19 +82,48 @@ def test_samples_without_a_trace_keep_the_result_incomplete(mnist):
     assert_exact(result.inputs, truth.inputs.double(), rtol=1e-9)
 
 
-def test_a_sample_found_twice_does_not_complete_the_count():
+def _bare_cascade(weights_and_inputs):
     from spear.cascade import _Cascade, _Plan
 
     model = fully_connected(784, 50, 6, seed=0)
     grads = {name: torch.zeros_like(p) for name, p in model.named_parameters()}
     cascade = _Cascade(model, grads, _Plan(["0"], None, None, 1, "cross_entropy", None, {}))
-    x, half = torch.rand(1, 784, dtype=torch.float64), torch.tensor([0.5], dtype=torch.float64)
-    cascade.found.add(x, torch.tensor([3]), half, "0")
-    cascade.found.add(torch.rand(1, 784, dtype=torch.float64), torch.tensor([3]), half, "0")
+    for weight, x in weights_and_inputs:
+        cascade.found.add(x, torch.tensor([3]), torch.tensor([weight], dtype=torch.float64), "0")
+    return cascade
+
+
+def test_a_sample_found_twice_does_not_complete_the_count():
+    x = torch.rand(1, 784, dtype=torch.float64)
+    cascade = _bare_cascade([(0.5, x), (0.5, torch.rand(1, 784, dtype=torch.float64))])
     assert cascade._count().complete  # two distinct samples of weight 1/2: a batch of two
     cascade.found.inputs[1] = x.clone()
     count = cascade._count()
     assert count.missing == 0 and not count.distinct and not count.complete
+
+
+def test_a_column_of_two_samples_weight_is_neither_counted_nor_reported():
+    # weight 2/3 next to 1/3: a duplicate, or the mean of two samples differing in a null space
+    rows = [
+        (1 / 3, torch.rand(1, 784, dtype=torch.float64)),
+        (2 / 3, torch.rand(1, 784, dtype=torch.float64)),
+    ]
+    cascade = _bare_cascade(rows)
+    count = cascade._count()
+    assert count.missing == 0 and not count.single and not count.complete
+    result = cascade._result("rounds")
+    assert result.inputs.shape[0] == 1 and torch.equal(result.inputs, rows[0][1]) and not result.complete
+
+
+def test_a_scaled_update_is_not_complete_when_its_count_matches(mnist):
+    # twice the mean gradient reads as weights 2/64 = 1/32: the first 32 samples "count" a batch
+    view, truth = _client(mnist, 200, 64, 1)
+    doubled = {name: 2 * g for name, g in view.gradients.items()}
+    result = attack_model(view.model, doubled, ["0"], max_proposals=300, seed=1, max_rounds=1)
+    assert result.inputs.shape[0] == 32 and result.batch_size == 32 and result.missing == 0
+    assert result.residual > 0.5 and not result.complete and not result.verified
+    r, c = match_rows(result.inputs, truth.inputs.double())
+    assert (result.inputs[r] - truth.inputs.double()[c]).abs().max() < 1e-9  # the samples are right
 
 
 def test_an_interrupted_cascade_keeps_what_it_subtracted(mnist):
@@ -134,6 +163,7 @@ def test_default_layers_run_from_the_middle_and_end_with_the_first():
         (None, {"attack_budget": float("nan")}, "attack_budget"),
         (None, {"max_rounds": 0}, "max_rounds"),
         (None, {"loss": "mse"}, "unknown loss"),
+        ("10", {}, "not the string"),
     ],
 )
 def test_bad_arguments_name_what_is_wrong(layers, options, match):
@@ -181,3 +211,20 @@ def test_an_update_without_every_parameter_is_refused():
     grads = {name: torch.zeros_like(p) for name, p in model.named_parameters() if name != "4.bias"}
     with pytest.raises(spear.InputError, match=r"lacks the gradients of \['4\.bias'\]"):
         attack_model(model, grads)
+
+
+def test_ctrl_c_inside_an_attack_stops_the_cascade_with_its_samples(mnist, monkeypatch):
+    import dataclasses
+
+    import spear.cascade as cascade_module
+
+    view, _ = _client(mnist, 200, 72, 1)
+    real = cascade_module.attack_layer
+
+    def interrupted(*args, **kwargs):  # what attack_layer returns when Ctrl-C hits its search
+        rec = real(*args, **kwargs)
+        return dataclasses.replace(rec, stats=dataclasses.replace(rec.stats, stop_reason="interrupted"))
+
+    monkeypatch.setattr(cascade_module, "attack_layer", interrupted)
+    result = attack_model(view.model, view.gradients, ["2", "0"], max_proposals=200, seed=1, max_rounds=3)
+    assert result.stop_reason == "interrupted" and len(result.steps) == 1 and result.inputs.shape[0] == 5

@@ -40,6 +40,11 @@ from spear.errors import InputError, SpearError
 from spear.inversion.base import layers_below
 from spear.inversion.row_space import RowSpaceInverter
 
+#: the update counts as explained when every attacked layer's residual is within this of its
+#: gradient: the verification tolerance in float64; in float32 above the 2.8e-3 that one ReLU
+#: flipped at zero leaves (see :class:`_Count`), far below one sample's share of a batch
+EXPLAINED_RTOL = {torch.float64: 1e-8, torch.float32: 1e-2}
+
 
 @dataclass(frozen=True)
 class CascadeStep:
@@ -220,6 +225,10 @@ def attack_model(
             raise InputError(f"{name} must be a positive, finite number of seconds or None, got {value!r}")
     if isinstance(max_rounds, bool) or not isinstance(max_rounds, int) or max_rounds < 1:
         raise InputError(f"max_rounds must be an integer >= 1, got {max_rounds!r}")
+    if isinstance(layers, str):
+        raise InputError(
+            f"layers must be a list of module names, e.g. [{layers!r}], not the string {layers!r}"
+        )
     usable = cascade_layers(model)
     order = list(usable if layers is None else layers)
     unusable = [name for name in order if name not in usable]
@@ -279,6 +288,9 @@ class _Cascade:
         self.start = time.perf_counter()
         dtype = max((t.dtype for t in self.original.values()), key=lambda d: torch.finfo(d).eps)
         self.tol = Tolerances.for_dtype(dtype)
+        self.explained_rtol = EXPLAINED_RTOL.get(dtype, self.tol.verify_rtol)
+        first = next(m for m in model.modules() if isinstance(m, nn.Linear))
+        self.width = first.in_features
 
     def left(self) -> float | None:
         if self.plan.time_budget is None:
@@ -305,7 +317,7 @@ class _Cascade:
                 if left is not None and left <= 0:
                     return "time budget"
                 self._attack(layer, left, 2**round_)
-            unbounded = self.plan.attack_budget is None and "max_proposals" not in self.plan.options
+            unbounded = self.plan.attack_budget is None and self.plan.options.get("max_proposals") is None
             if len(self.found.layers) == before and unbounded:
                 return "exhausted"  # the next pass would run the same attacks again
         return "explained" if self._unexplained() <= self.tol.verify_rtol else "rounds"
@@ -336,6 +348,8 @@ class _Cascade:
         self._record(
             CascadeStep(layer, added, certified, rec.batch_size, seconds, rec.stats.stop_reason, rec.message)
         )
+        if rec.stats.stop_reason == "interrupted":  # Ctrl-C inside the attack, which kept its samples
+            raise KeyboardInterrupt
 
     def _record(self, step: CascadeStep) -> None:
         self.steps.append(step)
@@ -380,25 +394,31 @@ class _Cascade:
 
     def _count(self) -> _Count:
         """What the found samples' loss weights say about the batch (see :class:`_Count`)."""
-        width = next(p for p in self.model.parameters()).shape[-1]
-        inputs, _, weights = self.found.stacked(width)
+        inputs, _, weights = self.found.stacked(self.width)
+        explained = self._unexplained() <= self.explained_rtol
         if not weights.numel():
-            return _Count(None, None, True)
+            return _Count(None, None, True, True, explained)
         reduction = infer_reduction(weights, self.tol.verify_rtol)
         gaps = torch.cdist(inputs, inputs, compute_mode="donot_use_mm_for_euclid_dist")
         gaps.fill_diagonal_(torch.inf)
         distinct = bool((gaps > self.tol.verify_rtol * inputs.norm(dim=1, keepdim=True)).all())
-        return _Count(reduction.batch_size, reduction.missing, distinct)
+        single = reduction.multiplicities is not None and bool((reduction.multiplicities == 1).all())
+        return _Count(reduction.batch_size, reduction.missing, distinct, single, explained)
 
     def _result(self, reason: str) -> CascadeResult:
-        width = next(p for p in self.model.parameters()).shape[-1]
-        inputs, labels, weights = self.found.stacked(width)
+        inputs, labels, weights = self.found.stacked(self.width)
         count = self._count()
+        layers = list(self.found.layers)
+        if weights.numel():  # a weight k/B with k >= 2 may be k samples' mean: not a proven sample
+            multiples = infer_reduction(weights, self.tol.verify_rtol).multiplicities
+            one = torch.ones_like(labels, dtype=torch.bool) if multiples is None else multiples == 1
+            inputs, labels, weights = inputs[one], labels[one], weights[one]
+            layers = [name for name, keep in zip(layers, one.tolist(), strict=True) if keep]
         return CascadeResult(
             inputs=inputs,
             labels=labels,
             weights=weights,
-            layers=tuple(self.found.layers),
+            layers=tuple(layers),
             complete=count.complete,
             residual=self._unexplained(),
             batch_size=count.batch_size,
@@ -411,21 +431,28 @@ class _Cascade:
 
 @dataclass(frozen=True)
 class _Count:
-    """The batch as the found samples' weights count it. Each found sample is certified with
-    its weight ``k_j / B`` (a batch mean), so B is read off the weights, and the batch is whole
-    when the found samples, all distinct, add up to B (``missing == 0``). The count is the
-    proof, not the residual gradient: a float32 sample found to 1e-6 can flip a ReLU whose
-    pre-activation is within that of zero, and its recomputed gradient then differs by a
-    whole unit's row (measured: 2.8e-3 of the update at MNIST 6 x 1000, b = 256, seed 2), as
-    much as a faint sample left unfound would leave."""
+    """The batch as the found samples' weights count it, and whether the update agrees.
+
+    Each found sample is certified with its loss weight ``k_j / B`` (a batch mean), so B is
+    read off the weights, and the batch is whole when B distinct samples of weight ``1/B`` were
+    found (``missing == 0``, every ``k_j == 1``) *and* they explain the update (``explained``:
+    every attacked layer's gradient minus theirs within ``EXPLAINED_RTOL`` of it). The weights
+    alone do not prove it: an update scaled by c (a learning rate, a sum loss) reads as a batch
+    of B/c, and a column of weight 2/B can be two samples' mean (samples differing in a layer's
+    null space). The residual alone does not either: a faint sample left unfound leaves
+    little, and a float32 sample found to 1e-6 can flip a ReLU whose pre-activation is within
+    that of zero, so that its recomputed gradient differs by a whole unit's row (measured:
+    2.8e-3 of the update at MNIST 6 x 1000, b = 256, float32, seed 2, every sample exact)."""
 
     batch_size: int | None
     missing: int | None
     distinct: bool
+    single: bool
+    explained: bool
 
     @property
     def complete(self) -> bool:
-        return self.missing == 0 and self.distinct
+        return self.missing == 0 and self.distinct and self.single and self.explained
 
 
 def _proven_samples(rec: Reconstruction) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:

@@ -16,7 +16,8 @@ A sample enters the result only when it is certified at its layer *and* exact in
 each one is proven on its own. A wrong subtraction could only hide samples from later attacks;
 it cannot make them certify a wrong one (each is certified against the model on its own). The
 result is ``complete`` when the samples found are the whole batch: their certified loss
-weights ``1/B`` give the client's batch size B, and B distinct samples were found.
+weights ``1/B`` give the client's batch size B, B distinct samples of that weight were found,
+and they explain every attacked layer's gradient (:class:`_Count`).
 """
 
 from __future__ import annotations
@@ -69,11 +70,12 @@ class CascadeResult:
             loss weights (``1/B`` for a batch mean; ``k/B`` for a sample present k times).
         layers: (k,) the layer whose attack certified each sample.
         complete: the samples found are the whole batch: B distinct samples, B read off their
-            certified weights (a batch mean; see :class:`_Count`). Samples whose loss gradient
-            is zero leave no trace, count as ``missing``, and keep it False.
+            certified weights (a batch mean), explaining the update (see :class:`_Count`).
+            Samples whose loss gradient is zero leave no trace, count as ``missing``, and keep
+            it False. A column of k >= 2 samples' weight is subtracted but not in ``inputs``.
         residual: the largest relative norm, over the attacked layers' weight gradients, of
-            the gradient the found samples leave unexplained (a diagnostic: float32 samples
-            can flip a ReLU that sits at zero, see :class:`_Count`).
+            the gradient the found samples leave unexplained (float32 samples can flip a ReLU
+            that sits at zero, see :class:`_Count`).
         batch_size: the client's batch size B read off the weights (a mean), or None.
         missing: B minus the samples found (with multiplicity), or None.
         steps: one :class:`CascadeStep` per attack, in order.
@@ -203,8 +205,9 @@ def attack_model(
             arrays or tensors), as :func:`spear.attack_layer` takes them.
         layers: the layers to attack, in the order of each pass; default
             :func:`cascade_layers` (the middle first, the first layer last).
-        time_budget: seconds for the whole cascade (a promise: each attack gets at most what
-            is left).
+        time_budget: seconds for the whole cascade: checked before each attack, and each
+            attack gets at most what is left (kept as well as :func:`spear.attack_layer`
+            keeps its own budget).
         attack_budget: seconds for each attack in the first pass, doubled at every pass
             (default: ``time_budget`` over twice the number of layers; none without one).
             ``max_proposals`` in ``options`` doubles with it.

@@ -378,11 +378,11 @@ class _Cascade:
             return 0
         data, labels, weights = data.cpu()[keep], labels.cpu()[keep], weights.cpu().to(torch.float64)[keep]
         taken = per_sample_gradients(self.model, data, labels, weights, self.plan.loss_fn)
+        self.found.add(data, labels, weights, layer)  # proven: reported even if Ctrl-C comes next
         for name, grad in taken.items():
             if name in self.residual:
                 current = self.residual[name]
                 self.residual[name] = (current.to(torch.float64) - grad.to(current.device)).to(current.dtype)
-        self.found.add(data, labels, weights, layer)
         return int(data.shape[0])
 
     def _unexplained(self) -> float:

@@ -151,3 +151,19 @@ def load_fashion_mnist():
         return load_dataset("fashion-mnist")
     except InputError as exc:
         pytest.skip(str(exc))
+
+
+@pytest.fixture(scope="module")
+def mnist():
+    """The built-in MNIST subset (test modules may define their own fixture of this name)."""
+    from spear.data import load_dataset
+
+    return load_dataset("mnist")
+
+
+def deep_mlp_round(mnist, width: int, b: int, seed: int, dtype=torch.float64):
+    """One FedSGD round of a 6-layer MLP of ``width`` on ``b`` MNIST samples: (view, truth)."""
+    from spear.fl import fully_connected, simulate_fedsgd
+
+    model = fully_connected(784, width, 6, seed=seed, dtype=dtype)
+    return simulate_fedsgd(model, mnist, b, seed=seed)

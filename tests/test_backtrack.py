@@ -11,19 +11,7 @@ import spear
 from spear.core.backtrack import RowSpace, gradient_row_space, invert_relu_linear
 from spear.fl import fedsgd_gradients, fully_connected, layer_inputs, simulate_fedsgd
 from spear.inversion import RowSpaceInverter
-from tests.conftest import assert_exact
-
-
-@pytest.fixture(scope="module")
-def mnist():
-    from spear.data import load_dataset
-
-    return load_dataset("mnist")
-
-
-def _client(mnist, width: int, b: int, seed: int, dtype=torch.float64):
-    model = fully_connected(784, width, 6, seed=seed, dtype=dtype)
-    return simulate_fedsgd(model, mnist, b, seed=seed)
+from tests.conftest import assert_exact, deep_mlp_round
 
 
 def _certified(rec, inputs: torch.Tensor):
@@ -32,7 +20,7 @@ def _certified(rec, inputs: torch.Tensor):
 
 
 def test_a_hidden_layers_attack_inverts_to_the_images(mnist):
-    view, truth = _client(mnist, 200, 16, 3)
+    view, truth = deep_mlp_round(mnist, 200, 16, 3)
     rec = spear.attack_layer(view.model, "4", view.gradients, seed=0, max_proposals=200_000)
     assert rec.verified
     images = RowSpaceInverter()(view.model, "4", view.gradients, rec)
@@ -42,7 +30,7 @@ def test_a_hidden_layers_attack_inverts_to_the_images(mnist):
 
 def test_certified_samples_alone_invert_without_the_rest_of_the_batch(mnist):
     # the whole-batch inversion needs every sample's output gradient; one by one needs none
-    view, truth = _client(mnist, 200, 16, 3)
+    view, truth = deep_mlp_round(mnist, 200, 16, 3)
     rec = spear.attack_layer(view.model, "4", view.gradients, seed=0, max_proposals=200_000)
     some = _certified(rec, layer_inputs(view.model, "4", truth.inputs)[[1, 5, 9]])
     images = RowSpaceInverter()(view.model, "4", view.gradients, some)
@@ -55,7 +43,7 @@ def test_certified_samples_alone_invert_without_the_rest_of_the_batch(mnist):
 
 
 def test_float32_gradients_invert_to_float32_precision(mnist):
-    view, truth = _client(mnist, 200, 16, 1, torch.float32)
+    view, truth = deep_mlp_round(mnist, 200, 16, 1, torch.float32)
     rec = spear.attack_layer(view.model, "2", view.gradients, seed=0, max_proposals=200_000)
     some = _certified(rec, layer_inputs(view.model, "2", truth.inputs))
     images = RowSpaceInverter()(view.model, "2", view.gradients, some)
@@ -66,7 +54,7 @@ def test_float32_gradients_invert_to_float32_precision(mnist):
 def test_wrong_hidden_inputs_are_not_called_exact(mnist):
     # a mixture of two samples, one active unit switched off, a rescaled sample: no input of
     # the row space reproduces them through the ReLU
-    view, truth = _client(mnist, 200, 16, 2)
+    view, truth = deep_mlp_round(mnist, 200, 16, 2)
     rec = spear.attack_layer(view.model, "2", view.gradients, seed=0, max_proposals=200_000)
     hidden = layer_inputs(view.model, "2", truth.inputs).double()
     flipped = hidden[2].clone()
@@ -118,7 +106,7 @@ def test_invert_relu_linear_needs_a_determined_system_in_the_right_row_space():
 
 
 def test_the_row_space_inversion_names_what_it_cannot_do(mnist):
-    view, _ = _client(mnist, 200, 8, 0)
+    view, _ = deep_mlp_round(mnist, 200, 8, 0)
     rec = spear.attack_layer(view.model, "2", view.gradients, max_proposals=1, peel=False)
     assert not rec.verified and rec.certified_inputs is None
     with pytest.raises(spear.InputError, match="only proven inputs"):
@@ -142,7 +130,7 @@ def test_an_experiment_counts_the_data_of_certified_hidden_samples(mnist):
     # spear attack on a hidden layer that certified samples but no batch: their images count
     from spear.experiments.evaluation import evaluate
 
-    view, truth = _client(mnist, 200, 16, 3)
+    view, truth = deep_mlp_round(mnist, 200, 16, 3)
     rec = spear.attack_layer(view.model, "4", view.gradients, seed=0, max_proposals=200_000)
     hidden = layer_inputs(view.model, "4", truth.inputs)
     partial = dataclasses.replace(_certified(rec, hidden[[0, 3]]), inputs=None, grad_outputs=None)
@@ -156,7 +144,7 @@ def test_an_experiment_counts_the_data_of_certified_hidden_samples(mnist):
 def test_an_experiment_inverts_certified_samples_only_when_the_batch_is_not_verified(mnist):
     from spear.experiments.run import _certified_data
 
-    view, truth = _client(mnist, 200, 16, 3)
+    view, truth = deep_mlp_round(mnist, 200, 16, 3)
     rec = spear.attack_layer(view.model, "4", view.gradients, seed=0, max_proposals=200_000)
     assert rec.verified and _certified_data(view, "4", rec) is None  # the batch inverts whole
     hidden = layer_inputs(view.model, "4", truth.inputs)

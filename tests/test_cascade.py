@@ -7,20 +7,8 @@ import torch
 
 import spear
 from spear.cascade import attack_model, cascade_layers, per_sample_gradients
-from spear.fl import fedsgd_gradients, fully_connected, simulate_fedsgd
-from tests.conftest import assert_exact, match_rows
-
-
-@pytest.fixture(scope="module")
-def mnist():
-    from spear.data import load_dataset
-
-    return load_dataset("mnist")
-
-
-def _client(mnist, width: int, b: int, seed: int, dtype=torch.float64):
-    model = fully_connected(784, width, 6, seed=seed, dtype=dtype)
-    return simulate_fedsgd(model, mnist, b, seed=seed)
+from spear.fl import fedsgd_gradients, fully_connected
+from tests.conftest import assert_exact, deep_mlp_round, match_rows
 
 
 def _assert_labels(result, truth) -> None:
@@ -40,7 +28,7 @@ def test_per_sample_gradients_add_up_to_the_clients_update():
 
 
 def test_subtracting_certified_samples_lets_the_same_layer_find_the_rest(mnist):
-    view, truth = _client(mnist, 200, 64, 1)
+    view, truth = deep_mlp_round(mnist, 200, 64, 1)
     alone = spear.attack_layer(view.model, "0", view.gradients, seed=1, max_proposals=3000)
     assert not alone.verified and alone.stats.certified == 32  # stuck, with 10x the work
     result = attack_model(view.model, view.gradients, ["0"], max_proposals=300, seed=1, max_rounds=2)
@@ -53,7 +41,7 @@ def test_subtracting_certified_samples_lets_the_same_layer_find_the_rest(mnist):
 
 def test_hidden_and_first_layer_samples_feed_each_other(mnist):
     # layer 2's certified samples are inverted to the images and taken out of layer 0, and back
-    view, truth = _client(mnist, 200, 72, 1)
+    view, truth = deep_mlp_round(mnist, 200, 72, 1)
     result = attack_model(view.model, view.gradients, ["2", "0"], max_proposals=200, seed=1, max_rounds=3)
     added = [(s.layer, s.added) for s in result.steps]
     assert added == [("2", 5), ("0", 6), ("2", 44), ("0", 17)]
@@ -64,7 +52,7 @@ def test_hidden_and_first_layer_samples_feed_each_other(mnist):
 
 
 def test_float32_updates_complete_to_float32_precision(mnist):
-    view, truth = _client(mnist, 200, 48, 0, torch.float32)
+    view, truth = deep_mlp_round(mnist, 200, 48, 0, torch.float32)
     result = attack_model(view.model, view.gradients, max_proposals=2000, seed=0, max_rounds=2)
     assert result.complete and result.residual < 1e-4  # one sample is ~1/48 of the update
     assert_exact(result.inputs, truth.inputs.double(), rtol=1e-4)
@@ -74,7 +62,7 @@ def test_float32_updates_complete_to_float32_precision(mnist):
 def test_samples_without_a_trace_keep_the_result_incomplete(mnist):
     # the client's mean was over 50 samples but only 48 left a gradient (scaled as if two had a
     # zero gradient): everything is explained, yet the weights 1/50 count two samples missing
-    view, truth = _client(mnist, 200, 48, 0)
+    view, truth = deep_mlp_round(mnist, 200, 48, 0)
     scaled = {name: g * (48 / 50) for name, g in view.gradients.items()}
     result = attack_model(view.model, scaled, max_proposals=2000, seed=0)
     assert result.residual < 1e-12 and result.batch_size == 50 and result.missing == 2
@@ -117,7 +105,7 @@ def test_a_column_of_two_samples_weight_is_neither_counted_nor_reported():
 
 def test_a_scaled_update_is_not_complete_when_its_count_matches(mnist):
     # twice the mean gradient reads as weights 2/64 = 1/32: the first 32 samples "count" a batch
-    view, truth = _client(mnist, 200, 64, 1)
+    view, truth = deep_mlp_round(mnist, 200, 64, 1)
     doubled = {name: 2 * g for name, g in view.gradients.items()}
     result = attack_model(view.model, doubled, ["0"], max_proposals=300, seed=1, max_rounds=1)
     assert result.inputs.shape[0] == 32 and result.batch_size == 32 and result.missing == 0
@@ -127,7 +115,7 @@ def test_a_scaled_update_is_not_complete_when_its_count_matches(mnist):
 
 
 def test_an_interrupted_cascade_keeps_what_it_subtracted(mnist):
-    view, truth = _client(mnist, 200, 72, 1)
+    view, truth = deep_mlp_round(mnist, 200, 72, 1)
 
     def stop_after_two(step) -> None:
         if step.layer == "0":
@@ -142,7 +130,7 @@ def test_an_interrupted_cascade_keeps_what_it_subtracted(mnist):
 
 
 def test_a_spent_time_budget_attacks_nothing(mnist):
-    view, _ = _client(mnist, 200, 16, 0)
+    view, _ = deep_mlp_round(mnist, 200, 16, 0)
     result = attack_model(view.model, view.gradients, time_budget=1e-9)
     assert result.stop_reason == "time budget" and result.steps == () and result.inputs.shape == (0, 784)
 
@@ -174,7 +162,7 @@ def test_bad_arguments_name_what_is_wrong(layers, options, match):
 
 
 def test_gradients_as_a_list_or_numpy_arrays_give_the_same_result(mnist):
-    view, truth = _client(mnist, 200, 48, 0)
+    view, truth = deep_mlp_round(mnist, 200, 48, 0)
     as_list = [view.gradients[name].numpy() for name, _ in view.model.named_parameters()]
     result = attack_model(view.model, as_list, max_proposals=2000, seed=0)
     assert result.complete
@@ -189,7 +177,7 @@ def test_gradients_as_a_list_or_numpy_arrays_give_the_same_result(mnist):
 def test_an_attack_that_fails_keeps_the_samples_proven_before(mnist, monkeypatch):
     import spear.cascade as cascade_module
 
-    view, truth = _client(mnist, 200, 72, 1)
+    view, truth = deep_mlp_round(mnist, 200, 72, 1)
     real, calls = cascade_module.attack_layer, []
 
     def second_call_fails(*args, **kwargs):
@@ -218,7 +206,7 @@ def test_ctrl_c_inside_an_attack_stops_the_cascade_with_its_samples(mnist, monke
 
     import spear.cascade as cascade_module
 
-    view, _ = _client(mnist, 200, 72, 1)
+    view, _ = deep_mlp_round(mnist, 200, 72, 1)
     real = cascade_module.attack_layer
 
     def interrupted(*args, **kwargs):  # what attack_layer returns when Ctrl-C hits its search

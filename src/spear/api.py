@@ -76,6 +76,28 @@ def _fraction(name: str, value: Any) -> float | None:
     return float(value)
 
 
+def check_seconds(name: str, value: Any) -> None:
+    """A clear error unless ``value`` is None or a positive, finite number of seconds."""
+    real = isinstance(value, numbers.Real) and not isinstance(value, bool)
+    if value is not None and (not real or not math.isfinite(value) or value <= 0):
+        raise InputError(f"{name} must be a positive, finite number of seconds or None, got {value!r}")
+
+
+def named_gradients(model: torch.nn.Module, gradients: Mapping[str, Any] | Sequence[Any]) -> dict[str, Any]:
+    """The update as a dict parameter-name -> gradient: a dict as given, or a list in
+    ``model.parameters()`` order (a clear error when its length does not match)."""
+    if isinstance(gradients, Mapping):
+        return dict(gradients)
+    names = [name for name, _ in model.named_parameters()]
+    listed = list(gradients)
+    if len(listed) != len(names):
+        raise InputError(
+            f"got {len(listed)} gradients but the model has {len(names)} parameters; pass one "
+            "per parameter in model.parameters() order, or a dict name -> gradient"
+        )
+    return dict(zip(names, listed, strict=True))
+
+
 def build_options(options: Mapping[str, Any]) -> AttackOptions:
     """Turn keyword options into :class:`AttackOptions`, naming any unknown or invalid one."""
     unknown = set(options) - _OPTION_NAMES
@@ -97,10 +119,7 @@ def build_options(options: Mapping[str, Any]) -> AttackOptions:
         raise InputError("p_fr must be a number in (0, 1), got None")
     if opts.sparsity not in ("output", "input"):
         raise InputError(f"sparsity must be 'output' or 'input', got {opts.sparsity!r}")
-    budget = opts.time_budget
-    real = isinstance(budget, numbers.Real) and not isinstance(budget, bool)
-    if budget is not None and (not real or not math.isfinite(budget) or budget <= 0):
-        raise InputError(f"time_budget must be a positive, finite number of seconds or None, got {budget!r}")
+    check_seconds("time_budget", opts.time_budget)
     for name in ("dtype", "proposal_dtype"):
         if getattr(opts, name) not in (torch.float32, torch.float64):
             raise InputError(
@@ -298,17 +317,7 @@ def attack_layer(
             "determined (Theorem 3.6), so spear-fl cannot recover its inputs exactly. Attack a layer "
             "with a bias (one whose bias is zero works: dL/db is still sent)"
         )
-    names = [name for name, _ in model.named_parameters()]
-    if isinstance(gradients, Mapping):
-        grads = dict(gradients)
-    else:
-        grads_list = list(gradients)
-        if len(grads_list) != len(names):
-            raise InputError(
-                f"got {len(grads_list)} gradients but the model has {len(names)} parameters; pass one "
-                "per parameter in model.parameters() order, or a dict name -> gradient"
-            )
-        grads = dict(zip(names, grads_list, strict=True))
+    grads = named_gradients(model, gradients)
     prefix = f"{layer}." if layer else ""
     missing = [k for k in (prefix + "weight", prefix + "bias") if k not in grads]
     if missing:

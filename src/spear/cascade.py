@@ -23,7 +23,6 @@ and they explain every attacked layer's gradient (:class:`_Count`).
 from __future__ import annotations
 
 import copy
-import math
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -32,7 +31,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from spear.api import attack_layer
+from spear.api import attack_layer, check_seconds, named_gradients
 from spear.certify import LossFn, _cross_entropy
 from spear.core.certificate import infer_reduction
 from spear.core.consistency import Tolerances
@@ -222,10 +221,8 @@ def attack_model(
     """
     if isinstance(loss, str) and loss != "cross_entropy":
         raise InputError(f"unknown loss {loss!r}; use 'cross_entropy' or pass a callable")
-    for name, value in (("time_budget", time_budget), ("attack_budget", attack_budget)):
-        number = isinstance(value, (int, float)) and not isinstance(value, bool)
-        if value is not None and not (number and math.isfinite(value) and value > 0):
-            raise InputError(f"{name} must be a positive, finite number of seconds or None, got {value!r}")
+    check_seconds("time_budget", time_budget)
+    check_seconds("attack_budget", attack_budget)
     if isinstance(max_rounds, bool) or not isinstance(max_rounds, int) or max_rounds < 1:
         raise InputError(f"max_rounds must be an integer >= 1, got {max_rounds!r}")
     if isinstance(layers, str):
@@ -240,16 +237,8 @@ def attack_model(
             f"layers {unusable or order} cannot be used by the cascade: it needs Linear layers "
             f"followed by a ReLU whose samples reach the data exactly ({usable})"
         )
-    names = [name for name, _ in model.named_parameters()]
-    if not isinstance(gradients, Mapping):
-        listed = list(gradients)
-        if len(listed) != len(names):
-            raise InputError(
-                f"got {len(listed)} gradients but the model has {len(names)} parameters; pass one "
-                "per parameter in model.parameters() order, or a dict name -> gradient"
-            )
-        gradients = dict(zip(names, listed, strict=True))
-    missing = [name for name in names if name not in gradients]
+    gradients = named_gradients(model, gradients)
+    missing = [name for name, _ in model.named_parameters() if name not in gradients]
     if missing:
         raise InputError(
             f"the update lacks the gradients of {missing[:6]}: the cascade subtracts samples from "
@@ -400,21 +389,19 @@ class _Cascade:
         inputs, _, weights = self.found.stacked(self.width)
         explained = self._unexplained() <= self.explained_rtol
         if not weights.numel():
-            return _Count(None, None, True, True, explained)
+            return _Count(None, None, torch.empty(0, dtype=torch.long), True, explained)
         reduction = infer_reduction(weights, self.tol.verify_rtol)
         gaps = torch.cdist(inputs, inputs, compute_mode="donot_use_mm_for_euclid_dist")
         gaps.fill_diagonal_(torch.inf)
         distinct = bool((gaps > self.tol.verify_rtol * inputs.norm(dim=1, keepdim=True)).all())
-        single = reduction.multiplicities is not None and bool((reduction.multiplicities == 1).all())
-        return _Count(reduction.batch_size, reduction.missing, distinct, single, explained)
+        return _Count(reduction.batch_size, reduction.missing, reduction.multiplicities, distinct, explained)
 
     def _result(self, reason: str) -> CascadeResult:
         inputs, labels, weights = self.found.stacked(self.width)
         count = self._count()
         layers = list(self.found.layers)
-        if weights.numel():  # a weight k/B with k >= 2 may be k samples' mean: not a proven sample
-            multiples = infer_reduction(weights, self.tol.verify_rtol).multiplicities
-            one = torch.ones_like(labels, dtype=torch.bool) if multiples is None else multiples == 1
+        if count.multiplicities is not None:  # a weight k/B, k >= 2, may be k samples' mean
+            one = count.multiplicities == 1
             inputs, labels, weights = inputs[one], labels[one], weights[one]
             layers = [name for name, keep in zip(layers, one.tolist(), strict=True) if keep]
         return CascadeResult(
@@ -449,9 +436,14 @@ class _Count:
 
     batch_size: int | None
     missing: int | None
+    multiplicities: torch.Tensor | None  # k_j per found sample; None when the weights fit no mean or sum
     distinct: bool
-    single: bool
     explained: bool
+
+    @property
+    def single(self) -> bool:
+        """Every found sample carries one sample's weight."""
+        return self.multiplicities is not None and bool((self.multiplicities == 1).all())
 
     @property
     def complete(self) -> bool:

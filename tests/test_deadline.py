@@ -4,7 +4,9 @@ No test here waits on the clock: a deadline in the past has passed, one at None 
 """
 
 import time
+import warnings
 
+import pytest
 import torch
 
 import spear
@@ -134,3 +136,61 @@ def test_kernels_of_zero_sets_stop_at_the_deadline():
 
     assert bool(torch.isfinite(_first_kernel(problem.L, masks, 8)).all())
     assert bool(torch.isnan(_first_kernel(problem.L, masks, 8, PASSED)).all())
+
+
+class _PassesAfter:
+    """A deadline that passes after ``checks`` looks at it (a clock that needs no clock)."""
+
+    def __init__(self, checks: int) -> None:
+        self.left = checks
+
+    def passed(self) -> bool:
+        self.left -= 1
+        return self.left < 0
+
+
+def test_kernel_steps_are_bounded_by_work_and_do_not_change_the_kernels(monkeypatch):
+    """The deadline is checked after every batched kernel step, and a step holds a bounded
+    amount of work (rows x b^2 per mask), not a memory-sized batch: on a loaded machine one
+    memory-sized step of 225 SVDs took 73 s. The steps are counted in work, so the kernels are
+    the same bits whatever the step size (and whatever the machine's load)."""
+    import spear.core.filtering as filtering
+
+    _, problem, _, _, Qt = _client(40, 400)
+    rows, b = problem.L.shape
+    masks = zero_mask((problem.L @ Qt).T, 1e-9)
+    whole, one_dim, robust = kernel_of_rows(problem.L, masks)
+    assert filtering.kernel_chunk(1000, 512, filtering.KERNEL_CHUNK_ELEMENTS) == 1
+    assert filtering.kernel_chunk(rows, b, 2**40) == filtering.KERNEL_CHUNK_WORK // (rows * b * b)
+    monkeypatch.setattr(filtering, "KERNEL_CHUNK_WORK", 3 * rows * b * b)
+    assert filtering.kernel_chunk(rows, b, filtering.KERNEL_CHUNK_ELEMENTS) == 3
+    q, one, rob = kernel_of_rows(problem.L, masks, _PassesAfter(2))  # two steps, then the deadline
+    assert int(one.sum()) == 6 and bool(torch.isnan(q[6:]).all())
+    assert torch.equal(q[:6], whole[:6]) and torch.equal(rob[:6], robust[:6])
+    q, one, rob = kernel_of_rows(problem.L, masks)
+    assert torch.equal(q, whole) and torch.equal(one, one_dim) and torch.equal(rob, robust)
+
+
+def test_a_time_budget_on_an_oversubscribed_machine_warns_once(monkeypatch):
+    import os
+
+    import spear.api as api
+
+    client = make_client(20, width=200, seed=3)
+    monkeypatch.setattr(api, "_warned_oversubscribed", False)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    monkeypatch.setattr(os, "getloadavg", lambda: (0.5, 0.5, 0.5), raising=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", spear.OversubscribedWarning)
+        spear.reconstruct(*client.layer_args(), time_budget=1e-9, seed=0)  # idle: no warning
+        monkeypatch.setattr(os, "getloadavg", lambda: (64.0, 64.0, 64.0), raising=False)
+        spear.reconstruct(*client.layer_args(), max_proposals=10, seed=0)  # no time budget
+        monkeypatch.setenv("OMP_WAIT_POLICY", "passive")
+        spear.reconstruct(*client.layer_args(), time_budget=1e-9, seed=0)  # threads sleep
+    monkeypatch.delenv("OMP_WAIT_POLICY")
+    with pytest.warns(spear.OversubscribedWarning, match="OMP_WAIT_POLICY=PASSIVE"):
+        spear.reconstruct(*client.layer_args(), time_budget=1e-9, seed=0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", spear.OversubscribedWarning)
+        spear.reconstruct(*client.layer_args(), time_budget=1e-9, seed=0)  # once per process

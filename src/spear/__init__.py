@@ -21,7 +21,15 @@ from spear import fl, theory
 from spear.api import attack_layer, build_options, reconstruct
 from spear.cascade import CascadeResult, attack_model
 from spear.core.result import AttackOptions, AttackStats, ProgressEvent, Reconstruction
-from spear.errors import InputError, NoSparsityError, RankError, SpearError, TheoryError
+from spear.errors import (
+    InputError,
+    NoSparsityError,
+    OversubscribedWarning,
+    RankError,
+    SpearError,
+    SpearWarning,
+    TheoryError,
+)
 
 __version__ = "0.1.0"
 
@@ -31,10 +39,12 @@ __all__ = [
     "CascadeResult",
     "InputError",
     "NoSparsityError",
+    "OversubscribedWarning",
     "ProgressEvent",
     "RankError",
     "Reconstruction",
     "SpearError",
+    "SpearWarning",
     "TheoryError",
     "__version__",
     "attack_layer",

@@ -9,6 +9,8 @@ from __future__ import annotations
 import dataclasses
 import math
 import numbers
+import os
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -27,7 +29,7 @@ from spear.core.consistency import Tolerances
 from spear.core.proposers import DirectionProposer
 from spear.core.reconstruct import run_attack
 from spear.core.result import AttackOptions, Reconstruction
-from spear.errors import InputError
+from spear.errors import InputError, OversubscribedWarning
 
 _OPTION_NAMES = {f.name for f in dataclasses.fields(AttackOptions)}
 #: a sample is saturated when its gradient changes by at most this many eps (of the gradient's
@@ -83,6 +85,34 @@ def check_seconds(name: str, value: Any) -> None:
         raise InputError(f"{name} must be a positive, finite number of seconds or None, got {value!r}")
 
 
+def warn_if_oversubscribed(time_budget: float | None) -> None:
+    """Warn (once per process) when a time budget meets a machine with more runnable threads
+    than cores while torch runs several OpenMP threads that spin-wait: its budget may then
+    overrun by one slowed linear-algebra call (:class:`~spear.errors.OversubscribedWarning`)."""
+    global _warned_oversubscribed
+    if time_budget is None or _warned_oversubscribed or not hasattr(os, "getloadavg"):
+        return
+    if torch.get_num_threads() < 2 or os.environ.get("OMP_WAIT_POLICY", "").lower() == "passive":
+        return
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    load = os.getloadavg()[0]
+    if load < cores + 1:
+        return
+    _warned_oversubscribed = True
+    warnings.warn(
+        f"the machine's load ({load:.1f}) exceeds its {cores} cores while torch runs "
+        f"{torch.get_num_threads()} spin-waiting OpenMP threads: single linear-algebra calls can "
+        "then take 10-100x longer, and the time budget may overrun by one of them. Set "
+        "OMP_WAIT_POLICY=PASSIVE before importing torch, or torch.set_num_threads(1), or use "
+        "max_proposals (a work budget, the same result under any load)",
+        OversubscribedWarning,
+        stacklevel=3,
+    )
+
+
+_warned_oversubscribed = False
+
+
 def named_gradients(model: torch.nn.Module, gradients: Mapping[str, Any] | Sequence[Any]) -> dict[str, Any]:
     """The update as a dict parameter-name -> gradient: a dict as given, or a list in
     ``model.parameters()`` order (a clear error when its length does not match)."""
@@ -120,6 +150,7 @@ def build_options(options: Mapping[str, Any]) -> AttackOptions:
     if opts.sparsity not in ("output", "input"):
         raise InputError(f"sparsity must be 'output' or 'input', got {opts.sparsity!r}")
     check_seconds("time_budget", opts.time_budget)
+    warn_if_oversubscribed(opts.time_budget)
     for name in ("dtype", "proposal_dtype"):
         if getattr(opts, name) not in (torch.float32, torch.float64):
             raise InputError(

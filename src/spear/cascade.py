@@ -31,7 +31,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from spear.api import attack_layer, check_seconds, named_gradients
+from spear.api import attack_layer, check_seconds, named_gradients, warn_if_oversubscribed
 from spear.certify import LossFn, _cross_entropy
 from spear.core.certificate import infer_reduction
 from spear.core.consistency import Tolerances
@@ -223,6 +223,7 @@ def attack_model(
         raise InputError(f"unknown loss {loss!r}; use 'cross_entropy' or pass a callable")
     check_seconds("time_budget", time_budget)
     check_seconds("attack_budget", attack_budget)
+    warn_if_oversubscribed(time_budget if time_budget is not None else attack_budget)
     if isinstance(max_rounds, bool) or not isinstance(max_rounds, int) or max_rounds < 1:
         raise InputError(f"max_rounds must be an integer >= 1, got {max_rounds!r}")
     if isinstance(layers, str):

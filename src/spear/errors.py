@@ -36,3 +36,18 @@ class NoSparsityError(SpearError):
 
 class TheoryError(SpearError, ValueError):
     """Parameters outside the domain of a theoretical bound (Section 5.2, Appendix A)."""
+
+
+class SpearWarning(UserWarning):
+    """Base class of every warning spear-fl issues."""
+
+
+class OversubscribedWarning(SpearWarning):
+    """The machine runs more threads than it has cores, so a time budget may overrun.
+
+    torch's OpenMP threads spin while they wait for each other; when other processes take
+    their cores, one linear-algebra call can take 10-100x its idle time (measured: a 4000 x 784
+    SVD, 0.4 s idle, 25 s beside two other 2-thread processes on 2 cores), and a deadline can
+    only be checked between such calls. ``OMP_WAIT_POLICY=PASSIVE`` (set before torch is
+    imported) or ``torch.set_num_threads(1)`` avoids it.
+    """

@@ -36,8 +36,21 @@ DUPLICATE_COS = 1.0 - 1e-9
 DEDUP_BLOCK = 256
 #: how many numbers one batched kernel step may hold (hints x rows x b)
 SNAP_CHUNK_ELEMENTS = 2**24
-#: ... and one batched SVD of masked factors (kernel_of_rows): a few seconds at most
+#: ... and one batched SVD of masked factors (kernel_of_rows)
 KERNEL_CHUNK_ELEMENTS = 2**22
+#: how much work (rows x b^2 per mask: one masked SVD's or Gram's flops, up to a constant) one
+#: batched kernel step may do, so that the deadline is checked every ~0.05 s on an idle 2-core
+#: CPU. Counted in work, not measured in time, so that the steps (and their last bits: a
+#: batched product's rounding depends on its batch) are the same whatever the machine's load;
+#: on a machine oversubscribed enough for OpenMP's threads to wait on each other (one step up to
+#: 100x slower, measured) the deadline is still checked within seconds
+KERNEL_CHUNK_WORK = 2**26
+
+
+def kernel_chunk(rows: int, b: int, elements: int) -> int:
+    """Masks per batched kernel step for a factor of ``rows`` x ``b``: within ``elements``
+    numbers and ``KERNEL_CHUNK_WORK``."""
+    return max(1, min(elements // (rows * b), KERNEL_CHUNK_WORK // (rows * b * b)))
 
 
 def zero_mask(values: torch.Tensor, zero_rtol: float, floor: torch.Tensor | None = None) -> torch.Tensor:
@@ -95,8 +108,9 @@ def kernel_of_rows(
     the pool for the greedy selection (which also uses W and b) but are not trusted for
     deflation and guidance.
 
-    Solved in chunks of ``KERNEL_CHUNK_ELEMENTS`` numbers (one SVD of a 1000 x 512 matrix takes
-    ~0.1 s); once ``deadline`` has passed, the masks left are not solved (not one-dimensional).
+    Solved in chunks of bounded memory and work (:func:`kernel_chunk`; one SVD of a 1000 x 512
+    matrix takes ~0.1 s); once ``deadline`` has passed, the masks left are not solved (not
+    one-dimensional).
     """
     k, b = rows.shape[0], L.shape[1]
     if b == 1:  # one direction (the last sample of a residual problem): nothing to solve
@@ -105,7 +119,7 @@ def kernel_of_rows(
     kernel = torch.full((k, b), torch.nan, dtype=L.dtype, device=L.device)
     one_dimensional = torch.zeros(k, dtype=torch.bool, device=L.device)
     robust = torch.zeros(k, dtype=torch.bool, device=L.device)
-    chunk = max(1, KERNEL_CHUNK_ELEMENTS // (L.shape[0] * b))
+    chunk = kernel_chunk(L.shape[0], b, KERNEL_CHUNK_ELEMENTS)
     for part in torch.arange(k, device=L.device).split(chunk):
         if deadline.passed():
             break
@@ -134,7 +148,7 @@ def _first_kernel(
     L: torch.Tensor, rows: torch.Tensor, chunk: int, deadline: Deadline = NEVER
 ) -> torch.Tensor:
     """Kernel directions of the hinted rows: LU for (b-1)-row hints, the smallest eigenvector of
-    ``L_A^T L_A`` for larger ones (refined exactly later), in memory-bounded chunks; past
+    ``L_A^T L_A`` for larger ones (refined exactly later), in chunks of bounded memory and work; past
     ``deadline`` the chunks left are not solved (NaN, which the zero count drops)."""
     b = L.shape[1]
     out = torch.full((rows.shape[0], b), torch.nan, dtype=L.dtype, device=L.device)
@@ -288,7 +302,7 @@ def snap_and_filter(
         if isinstance(threshold_count, torch.Tensor):
             threshold_count = threshold_count.to(enough.device)[enough]
     if rows.shape[0]:
-        chunk = max(1, SNAP_CHUNK_ELEMENTS // (L.shape[0] * b))
+        chunk = kernel_chunk(L.shape[0], b, SNAP_CHUNK_ELEMENTS)
         q = torch.cat([q, _first_kernel(L, rows, chunk, deadline)])
     if q.shape[0] == 0:
         return empty

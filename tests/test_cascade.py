@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch import nn
 
 import spear
 from spear.cascade import attack_model, cascade_layers, per_sample_gradients
@@ -139,6 +140,23 @@ def test_default_layers_run_from_the_middle_and_end_with_the_first():
     model = fully_connected(784, 50, 6, seed=0)
     assert cascade_layers(model) == ["4", "6", "2", "8", "0"]
     assert cascade_layers(fully_connected(784, 50, 2, seed=0)) == ["0"]
+
+
+def test_a_leading_flatten_keeps_the_first_layer_first_and_its_samples_the_data(mnist):
+    """A Flatten (or Identity, Dropout) below the first Linear does not make it hidden."""
+    flat = nn.Sequential(nn.Flatten(), *fully_connected(784, 50, 6, seed=0))
+    assert cascade_layers(flat) == ["5", "7", "3", "9", "1"]
+    view, truth = deep_mlp_round(mnist, 200, 64, 1)
+    flat = nn.Sequential(nn.Flatten(), *view.model)
+    shifted = {}
+    for name, grad in view.gradients.items():
+        index, kind = name.split(".")
+        shifted[f"{int(index) + 1}.{kind}"] = grad
+    result = attack_model(flat, shifted, ["1"], max_proposals=300, seed=1, max_rounds=2)
+    assert [(s.added, s.remaining) for s in result.steps] == [(32, 64), (32, 32)]
+    assert result.complete and result.layers == ("1",) * 64
+    assert_exact(result.inputs, truth.inputs.double(), rtol=1e-9)
+    _assert_labels(result, truth)
 
 
 @pytest.mark.parametrize(

@@ -38,6 +38,7 @@ from spear.core.consistency import Tolerances
 from spear.core.result import Reconstruction
 from spear.errors import InputError, SpearError
 from spear.inversion.base import layers_below
+from spear.inversion.exact import PASS_THROUGH
 from spear.inversion.row_space import RowSpaceInverter
 
 #: the update counts as explained when every attacked layer's residual is within this of its
@@ -152,12 +153,18 @@ def cascade_layers(model: nn.Module) -> list[str]:
     usable = [
         name
         for name, sparsity in attackable_layers(model).items()
-        if sparsity == "output" and (not layers_below(model, name) or inverter.applies(model, name))
+        if sparsity == "output" and (not is_hidden(model, name) or inverter.applies(model, name))
     ]
-    hidden = [name for name in usable if layers_below(model, name)]
+    hidden = [name for name in usable if is_hidden(model, name)]
     middle = (len(hidden) - 1) / 2
     ranked = sorted(range(len(hidden)), key=lambda i: (abs(i - middle), i))
     return [hidden[i] for i in ranked] + [name for name in usable if name not in hidden]
+
+
+def is_hidden(model: nn.Module, layer: str) -> bool:
+    """Whether a module other than a pass-through one (Flatten, Identity, Dropout) runs below
+    ``layer``: its inputs are then features, not the data."""
+    return any(not isinstance(m, PASS_THROUGH) for _, m in layers_below(model, layer))
 
 
 def per_sample_gradients(
@@ -355,7 +362,7 @@ class _Cascade:
         if samples is None:
             return 0
         hidden, labels, weights = samples
-        if layers_below(self.model, layer):
+        if is_hidden(self.model, layer):
             try:
                 inversion = RowSpaceInverter()(self.model, layer, self.residual, rec)
             except InputError:

@@ -89,3 +89,53 @@ def test_cnn_experiment_reports_features_images_and_the_ceiling():
     assert set(record["ceiling"]) >= {"psnr", "ssim", "lpips"}
     assert record["metrics"]["psnr"] > 5
     assert record["data_verified"] is False  # features proven, images estimated
+
+
+def test_one_sign_only_sample_among_discriminatively_certified_ones_is_the_remaining_sample(mnist):
+    """Realism matrix, float32 CNN features trained 200 steps, b = 16 (seed 1): the attack finds
+    the whole batch, but one confident sample's certificate is sign-only (its label gradients
+    are parallel to float32 precision). Every other sample is certified discriminatively, so its
+    column cannot be a mixture with theirs: that would change their assembled inputs."""
+    from spear.fl import small_cnn
+
+    model = small_cnn(mnist.image_shape, hidden=500, classes=mnist.classes, seed=1, dtype=torch.float32)
+    pretrain(model, mnist, 200, seed=1)
+    layer = feature_layer(model)
+    view, truth = simulate_fedsgd(model, mnist, 16, seed=1)
+    rec = spear.attack_layer(view.model, layer, view.gradients, seed=1, max_proposals=20_000)
+    assert rec.verified and any("remaining sample" in note for note in rec.notes)
+    features = layer_inputs(view.model, layer, truth.inputs).double()
+    assert_exact(rec.inputs.double(), features, rtol=1e-3)
+
+
+def test_a_sign_only_sample_is_the_remaining_one_only_when_every_other_is_discriminative():
+    from types import SimpleNamespace
+
+    from spear.core.certificate import SampleCertificates
+    from spear.core.verdict import WEIGHT_PRECISION, _judge_by_model
+
+    b = 6
+
+    def verdict_for(strong: list[bool], pinned: list[bool]) -> SimpleNamespace:
+        cert = SampleCertificates(
+            ok=torch.ones(b, dtype=torch.bool),
+            labels=torch.arange(b),
+            weights=torch.full((b,), 1 / b, dtype=torch.float64),
+            misfit=torch.zeros(b, dtype=torch.float64),
+            strong=torch.tensor(strong),
+            saturated=torch.zeros(b, dtype=torch.bool),
+        )
+        verdict = SimpleNamespace(problems=[], notes=[], reject=[], reduction=None, verified_by=None)
+        precision = WEIGHT_PRECISION * torch.full((b,), 1e-3, dtype=torch.float64)
+        _judge_by_model(verdict, cert, torch.tensor(pinned), precision, gate_trusted=True)
+        return verdict
+
+    unpinned = [False] * b
+    one = verdict_for([True, True, False, True, True, True], unpinned)
+    assert one.verified_by == "model" and "remaining sample" in one.notes[0]
+    two = verdict_for([True, True, False, True, False, True], unpinned)  # they may mix
+    assert two.verified_by is None and "sign only" in two.problems[0]
+    # a pinned sign-only partner: its direction is right, but its input is only sign-checked,
+    # so a mixture would move it unseen
+    partner = verdict_for([True, True, False, True, False, True], [False] * 4 + [True, False])
+    assert partner.verified_by is None and "sign only" in partner.problems[0]

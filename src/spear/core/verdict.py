@@ -431,13 +431,6 @@ def _judge_by_model(
             "gradient, so a column may stand for several of them"
         )
     weak = (~cert.strong & ~pinned & ~cert.saturated).nonzero()[:, 0].tolist()
-    if len(weak) == 1 and int((~cert.strong).sum()) == 1 and not saturated:
-        verdict.notes.append(
-            f"sample {weak[0]} is confirmed by a sign only, but every other sample is certified "
-            "discriminatively: its column cannot mix with theirs (that would change their inputs, "
-            "which the model confirms), so it is the batch's remaining sample"
-        )
-        weak = []
     if weak:
         verdict.problems.append(
             f"the model confirms sample(s) {weak} by a sign only (every label's gradient is parallel, "

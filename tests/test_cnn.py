@@ -89,3 +89,33 @@ def test_cnn_experiment_reports_features_images_and_the_ceiling():
     assert set(record["ceiling"]) >= {"psnr", "ssim", "lpips"}
     assert record["metrics"]["psnr"] > 5
     assert record["data_verified"] is False  # features proven, images estimated
+
+
+def test_one_sign_only_sample_among_discriminative_ones_is_not_verified():
+    """A tempting rule, tried and reverted: "every other sample is certified discriminatively,
+    so the one sign-only sample is the batch's remaining one". Each strong certificate
+    tolerates a misfit, so each strong column can carry a trace of the sign-only (faint)
+    column; the scales keep the strong inputs right and move only the sign-only input (a
+    review built such a selection, float32 CNN, b = 16: verified, one sample 1.23e-3 off)."""
+    from types import SimpleNamespace
+
+    from spear.core.certificate import SampleCertificates
+    from spear.core.verdict import WEIGHT_PRECISION, _judge_by_model
+
+    b = 6
+    cert = SampleCertificates(
+        ok=torch.ones(b, dtype=torch.bool),
+        labels=torch.arange(b),
+        weights=torch.full((b,), 1 / b, dtype=torch.float64),
+        misfit=torch.zeros(b, dtype=torch.float64),
+        strong=torch.tensor([True, True, False, True, True, True]),
+        saturated=torch.zeros(b, dtype=torch.bool),
+    )
+    verdict = SimpleNamespace(problems=[], notes=[], reject=[], reduction=None, verified_by=None)
+    precision = WEIGHT_PRECISION * torch.full((b,), 1e-3, dtype=torch.float64)
+    _judge_by_model(verdict, cert, torch.zeros(b, dtype=torch.bool), precision, gate_trusted=True)
+    assert verdict.verified_by is None and "sign only" in verdict.problems[0]
+    pinned = torch.tensor([False, False, True, False, False, False])  # the layer pins it: fine
+    verdict = SimpleNamespace(problems=[], notes=[], reject=[], reduction=None, verified_by=None)
+    _judge_by_model(verdict, cert, pinned, precision, gate_trusted=True)
+    assert verdict.verified_by == "model"

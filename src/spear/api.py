@@ -10,6 +10,7 @@ import dataclasses
 import math
 import numbers
 import os
+import sys
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -106,8 +107,17 @@ def warn_if_oversubscribed(time_budget: float | None) -> None:
         "OMP_WAIT_POLICY=PASSIVE before importing torch, or torch.set_num_threads(1), or use "
         "max_proposals (a work budget, the same result under any load)",
         OversubscribedWarning,
-        stacklevel=3,
+        stacklevel=_caller_level(),
     )
+
+
+def _caller_level() -> int:
+    """The ``stacklevel`` of the first frame outside spear-fl (the user's call), as seen from
+    the function that calls this one."""
+    frame, level = sys._getframe(2), 2
+    while frame is not None and frame.f_globals.get("__name__", "").split(".")[0] == "spear":
+        frame, level = frame.f_back, level + 1
+    return level
 
 
 _warned_oversubscribed = False

@@ -189,8 +189,9 @@ def test_a_time_budget_on_an_oversubscribed_machine_warns_once(monkeypatch):
         monkeypatch.setenv("OMP_WAIT_POLICY", "passive")
         spear.reconstruct(*client.layer_args(), time_budget=1e-9, seed=0)  # threads sleep
     monkeypatch.delenv("OMP_WAIT_POLICY")
-    with pytest.warns(spear.OversubscribedWarning, match="OMP_WAIT_POLICY=PASSIVE"):
+    with pytest.warns(spear.OversubscribedWarning, match="OMP_WAIT_POLICY=PASSIVE") as record:
         spear.reconstruct(*client.layer_args(), time_budget=1e-9, seed=0)
+    assert [w.filename for w in record if w.category is spear.OversubscribedWarning] == [__file__]
     with warnings.catch_warnings():
         warnings.simplefilter("error", spear.OversubscribedWarning)
         spear.reconstruct(*client.layer_args(), time_budget=1e-9, seed=0)  # once per process

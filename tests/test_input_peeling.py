@@ -130,6 +130,19 @@ def test_input_mode_peels_a_hidden_layer_of_b20():
     assert_exact(rec.inputs, hidden)
 
 
+def test_an_unverified_input_mode_attack_points_to_the_linear_below():
+    """Input mode on layer 2 of an MLP is dominated by output mode on layer 0, whose inputs
+    give layer 2's by a forward pass (README, realism matrix): the result says so."""
+    model, grads, _ = _hidden_layer_client(20)
+    rec = spear.attack_layer(model, "2", grads, sparsity="input", max_proposals=1, seed=0)
+    assert not rec.verified
+    assert any("spear.attack_layer(model, '0', gradients)" in note for note in rec.notes)
+    done = spear.attack_layer(model, "2", grads, sparsity="input", max_proposals=200_000, seed=0)
+    assert done.verified and not any("Linear '0'" in note for note in done.notes)
+    first = spear.attack_layer(model, "0", grads, sparsity="input", max_proposals=1, seed=0)
+    assert not any("Linear" in note for note in first.notes)  # nothing below the first layer
+
+
 def test_dead_input_features_come_back_zero():
     """Features no sample uses (raw-image background, dead hidden units) are left out of the
     input-side search and are exactly zero in the result."""

@@ -31,6 +31,8 @@ from spear.core.proposers import DirectionProposer
 from spear.core.reconstruct import run_attack
 from spear.core.result import AttackOptions, Reconstruction
 from spear.errors import InputError, OversubscribedWarning
+from spear.inversion.base import layers_below
+from spear.inversion.exact import PASS_THROUGH
 
 _OPTION_NAMES = {f.name for f in dataclasses.fields(AttackOptions)}
 #: a sample is saturated when its gradient changes by at most this many eps (of the gradient's
@@ -383,9 +385,24 @@ def attack_layer(
             _check_first_layer(model, layer, "sample_weights")
             certifier = WeightedCertifier(certifier, model, sample_weights)
         options["certifier"] = certifier
-    return reconstruct(
-        module.weight, module.bias, grads[prefix + "weight"], grads[prefix + "bias"], **options
-    )
+    rec = reconstruct(module.weight, module.bias, grads[prefix + "weight"], grads[prefix + "bias"], **options)
+    below = _linear_below(model, layer)
+    if options.get("sparsity") == "input" and not rec.verified and below is not None:
+        hint = (
+            f"layer {layer!r} takes ReLU outputs of the Linear {below!r}, which output mode attacks "
+            f"with the next layer's help: spear.attack_layer(model, {below!r}, gradients) recovers "
+            f"that layer's inputs, and a forward pass gives this layer's"
+        )
+        rec = dataclasses.replace(rec, notes=(*rec.notes, hint))
+    return rec
+
+
+def _linear_below(model: torch.nn.Module, layer: str) -> str | None:
+    """The ``nn.Linear`` whose ReLU outputs ``layer`` takes (pass-through modules aside)."""
+    below = [(name, m) for name, m in layers_below(model, layer) if not isinstance(m, PASS_THROUGH)]
+    if len(below) < 2 or not isinstance(below[-1][1], torch.nn.ReLU):
+        return None
+    return below[-2][0] if isinstance(below[-2][1], torch.nn.Linear) else None
 
 
 def _check_first_layer(model: torch.nn.Module, layer: str, what: str) -> None:

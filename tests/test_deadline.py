@@ -119,6 +119,24 @@ def test_attack_reports_a_time_budget_stop():
     assert rec.stats.stop_reason == "time budget" and not rec.verified
 
 
+def test_a_setup_past_the_budget_builds_no_peeler(monkeypatch):
+    """Under load one SVD of the setup can outlast the budget; the peeler's own SVD would only
+    add to the overrun of an attack that can no longer search."""
+    from spear.core.reconstruct import AttackSetup
+    from spear.fl import fedsgd_gradients, fully_connected
+
+    model = fully_connected(40, 60, 3, seed=0, dtype=torch.float64)
+    x = torch.randn(8, 40, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    y = torch.arange(8)
+    grads = fedsgd_gradients(model, x, y)
+    built = []
+    make_peeler = AttackSetup.make_peeler
+    monkeypatch.setattr(AttackSetup, "make_peeler", lambda self: built.append(1) or make_peeler(self))
+    assert spear.attack_layer(model, "0", grads, seed=0).verified and built == [1]
+    late = spear.attack_layer(model, "0", grads, time_budget=1e-9, seed=0)
+    assert late.stats.stop_reason == "time budget" and not late.verified and built == [1]
+
+
 def test_kernels_of_zero_sets_stop_at_the_deadline():
     """Snapping solves one SVD per zero set (~0.1 s each at m = 1000, b = 512): hundreds of
     hints once held an attack 80 s past a 60 s budget. Past the deadline nothing more is solved."""

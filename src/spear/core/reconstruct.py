@@ -380,7 +380,10 @@ class _Attack:
             device=factor.device,
             duplicate_cos=noisy_duplicate_cos(setup.split),
         )
-        self.peeler = setup.make_peeler()
+        # a setup that outlasted the time budget (one slow SVD on a loaded machine) builds no
+        # peeler: its own SVD would only add to the overrun of an attack that cannot search
+        late = setup.deadline.passed()
+        self.peeler = None if late else setup.make_peeler()
         self.peeled = PeeledSamples.empty(
             setup.b,
             setup.problem.R.shape[1],
@@ -396,7 +399,7 @@ class _Attack:
         #: the LT cascade, where nothing else peels and the model can certify (output sparsity)
         #: (by ``pin_inputs``: the self-pinning candidates' peeler, and the dense candidates')
         self.singleton_peelers: dict[bool, InputSidePeeler] | None = None
-        if opts.peel and opts.sparsity == "output" and self.peeler is None and self.gate.active:
+        if opts.peel and opts.sparsity == "output" and self.peeler is None and self.gate.active and not late:
             tol, problem = setup.tol, as_input_problem(setup.problem)
             peelers = {
                 pin: InputSidePeeler(problem, tol.verify_rtol, tol.z_rtol, tol.zero_rtol, pin_inputs=pin)

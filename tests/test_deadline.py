@@ -179,8 +179,10 @@ def test_kernel_steps_are_bounded_by_work_and_do_not_change_the_kernels(monkeypa
     masks = zero_mask((problem.L @ Qt).T, 1e-9)
     whole, one_dim, robust = kernel_of_rows(problem.L, masks)
     assert filtering.kernel_chunk(1000, 512, filtering.KERNEL_CHUNK_ELEMENTS) == 1
-    assert filtering.kernel_chunk(rows, b, 2**40) == filtering.KERNEL_CHUNK_WORK // (rows * b * b)
-    monkeypatch.setattr(filtering, "KERNEL_CHUNK_WORK", 3 * rows * b * b)
+    per_mask = rows * b * b + filtering.KERNEL_MASK_OVERHEAD
+    assert filtering.kernel_chunk(rows, b, 2**40) == filtering.KERNEL_CHUNK_WORK // per_mask
+    assert filtering.kernel_chunk(200, 2, 2**40) <= 2**11  # tiny factors: the call's cost counts
+    monkeypatch.setattr(filtering, "KERNEL_CHUNK_WORK", 3 * per_mask)
     assert filtering.kernel_chunk(rows, b, filtering.KERNEL_CHUNK_ELEMENTS) == 3
     q, one, rob = kernel_of_rows(problem.L, masks, _PassesAfter(2))  # two steps, then the deadline
     assert int(one.sum()) == 6 and bool(torch.isnan(q[6:]).all())
@@ -199,6 +201,7 @@ def test_a_time_budget_on_an_oversubscribed_machine_warns_once(monkeypatch):
     monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
     monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
     monkeypatch.setattr(os, "getloadavg", lambda: (0.5, 0.5, 0.5), raising=False)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)  # 2 cores
     with warnings.catch_warnings():
         warnings.simplefilter("error", spear.OversubscribedWarning)
         spear.reconstruct(*client.layer_args(), time_budget=1e-9, seed=0)  # idle: no warning
@@ -207,6 +210,15 @@ def test_a_time_budget_on_an_oversubscribed_machine_warns_once(monkeypatch):
         monkeypatch.setenv("OMP_WAIT_POLICY", "passive")
         spear.reconstruct(*client.layer_args(), time_budget=1e-9, seed=0)  # threads sleep
     monkeypatch.delenv("OMP_WAIT_POLICY")
+
+    def unreadable():
+        raise OSError("no /proc/loadavg")
+
+    monkeypatch.setattr(os, "getloadavg", unreadable, raising=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", spear.OversubscribedWarning)
+        spear.reconstruct(*client.layer_args(), time_budget=1e-9, seed=0)  # no figures: no warning
+    monkeypatch.setattr(os, "getloadavg", lambda: (64.0, 64.0, 64.0), raising=False)
     with pytest.warns(spear.OversubscribedWarning, match="OMP_WAIT_POLICY=PASSIVE") as record:
         spear.reconstruct(*client.layer_args(), time_budget=1e-9, seed=0)
     assert [w.filename for w in record if w.category is spear.OversubscribedWarning] == [__file__]

@@ -97,8 +97,11 @@ def warn_if_oversubscribed(time_budget: float | None) -> None:
         return
     if torch.get_num_threads() < 2 or os.environ.get("OMP_WAIT_POLICY", "").lower() == "passive":
         return
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    load = os.getloadavg()[0]
+    try:
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        load = os.getloadavg()[0]
+    except OSError:  # no load figures here (e.g. no /proc): nothing to warn about
+        return
     if load < cores + 1:
         return
     _warned_oversubscribed = True
@@ -387,7 +390,8 @@ def attack_layer(
         options["certifier"] = certifier
     rec = reconstruct(module.weight, module.bias, grads[prefix + "weight"], grads[prefix + "bias"], **options)
     below = _linear_below(model, layer)
-    if options.get("sparsity") == "input" and not rec.verified and below is not None:
+    attackable = below is not None and modules[below].bias is not None and f"{below}.weight" in grads
+    if options.get("sparsity") == "input" and not rec.verified and attackable:
         hint = (
             f"layer {layer!r} takes ReLU outputs of the Linear {below!r}, which output mode attacks "
             f"with the next layer's help: spear.attack_layer(model, {below!r}, gradients) recovers "

@@ -39,18 +39,22 @@ SNAP_CHUNK_ELEMENTS = 2**24
 #: ... and one batched SVD of masked factors (kernel_of_rows)
 KERNEL_CHUNK_ELEMENTS = 2**22
 #: how much work (rows x b^2 per mask: one masked SVD's or Gram's flops, up to a constant) one
-#: batched kernel step may do, so that the deadline is checked every ~0.05 s on an idle 2-core
+#: batched kernel step may do, so that the deadline is checked every ~0.1 s on an idle 2-core
 #: CPU. Counted in work, not measured in time, so that the steps (and their last bits: a
 #: batched product's rounding depends on its batch) are the same whatever the machine's load;
 #: on a machine oversubscribed enough for OpenMP's threads to wait on each other (one step up to
 #: 100x slower, measured) the deadline is still checked within seconds
 KERNEL_CHUNK_WORK = 2**26
+#: ... counting each mask's fixed cost (one small SVD's call, ~20 us) as this much work: small
+#: factors (b = 2 to 20) otherwise made steps of thousands of masks, 0.2-0.4 s idle
+KERNEL_MASK_OVERHEAD = 2**15
 
 
 def kernel_chunk(rows: int, b: int, elements: int) -> int:
     """Masks per batched kernel step for a factor of ``rows`` x ``b``: within ``elements``
     numbers and ``KERNEL_CHUNK_WORK``."""
-    return max(1, min(elements // (rows * b), KERNEL_CHUNK_WORK // (rows * b * b)))
+    per_mask = rows * b * b + KERNEL_MASK_OVERHEAD
+    return max(1, min(elements // (rows * b), KERNEL_CHUNK_WORK // per_mask))
 
 
 def zero_mask(values: torch.Tensor, zero_rtol: float, floor: torch.Tensor | None = None) -> torch.Tensor:

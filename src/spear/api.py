@@ -31,8 +31,7 @@ from spear.core.proposers import DirectionProposer
 from spear.core.reconstruct import run_attack
 from spear.core.result import AttackOptions, Reconstruction
 from spear.errors import InputError, OversubscribedWarning
-from spear.inversion.base import layers_below
-from spear.inversion.exact import PASS_THROUGH
+from spear.inversion.base import acting_layers_below
 
 _OPTION_NAMES = {f.name for f in dataclasses.fields(AttackOptions)}
 #: a sample is saturated when its gradient changes by at most this many eps (of the gradient's
@@ -403,7 +402,7 @@ def attack_layer(
 
 def _linear_below(model: torch.nn.Module, layer: str) -> str | None:
     """The ``nn.Linear`` whose ReLU outputs ``layer`` takes (pass-through modules aside)."""
-    below = [(name, m) for name, m in layers_below(model, layer) if not isinstance(m, PASS_THROUGH)]
+    below = acting_layers_below(model, layer)
     if len(below) < 2 or not isinstance(below[-1][1], torch.nn.ReLU):
         return None
     return below[-2][0] if isinstance(below[-2][1], torch.nn.Linear) else None

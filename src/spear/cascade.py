@@ -37,8 +37,7 @@ from spear.core.certificate import infer_reduction
 from spear.core.consistency import Tolerances
 from spear.core.result import Reconstruction
 from spear.errors import InputError, SpearError
-from spear.inversion.base import layers_below
-from spear.inversion.exact import PASS_THROUGH
+from spear.inversion.base import acting_layers_below
 from spear.inversion.row_space import RowSpaceInverter
 
 #: the update counts as explained when every attacked layer's residual is within this of its
@@ -164,7 +163,7 @@ def cascade_layers(model: nn.Module) -> list[str]:
 def is_hidden(model: nn.Module, layer: str) -> bool:
     """Whether a module other than a pass-through one (Flatten, Identity, Dropout) runs below
     ``layer``: its inputs are then features, not the data."""
-    return any(not isinstance(m, PASS_THROUGH) for _, m in layers_below(model, layer))
+    return bool(acting_layers_below(model, layer))
 
 
 def per_sample_gradients(

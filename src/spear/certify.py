@@ -33,14 +33,13 @@ from torch import nn
 
 from spear.core.certificate import SampleCertificates
 from spear.errors import InputError
+from spear.inversion.base import PASS_THROUGH
 
 #: how many numbers one batched gradient step may hold (samples x classes x width)
 CHUNK_ELEMENTS = 2**24
 #: two labels' gradients with |cos| above this are parallel: the fit cannot tell them apart
 #: by direction (two classes), only by sign and scale
 PARALLEL_COS = 1.0 - 1e-4
-#: modules that leave a Linear layer's (batch, features) output as it is
-PASS_THROUGH = (nn.Dropout, nn.Identity, nn.Flatten)
 #: activations after which dL/dZ has no zeros
 DENSE_ACTIVATIONS = (
     nn.Tanh,

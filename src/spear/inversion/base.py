@@ -12,6 +12,10 @@ from torch import nn
 from spear.core.result import Reconstruction
 from spear.errors import InputError
 
+#: modules that leave a Linear layer's (batch, features) output as it is (a Dropout as in eval
+#: mode)
+PASS_THROUGH = (nn.Identity, nn.Flatten, nn.Dropout)
+
 
 @dataclass
 class Inversion:
@@ -84,3 +88,9 @@ def layers_below(model: nn.Module, layer: str) -> list[tuple[str, nn.Module]]:
         if next(module.children(), None) is None:
             below.append((name, module))
     return below
+
+
+def acting_layers_below(model: nn.Module, layer: str) -> list[tuple[str, nn.Module]]:
+    """:func:`layers_below` without the pass-through modules (``PASS_THROUGH``): the ones that
+    change what reaches ``layer``. Empty for a model's first layer."""
+    return [(name, m) for name, m in layers_below(model, layer) if not isinstance(m, PASS_THROUGH)]

@@ -21,10 +21,14 @@ from torch import nn
 from spear.core.linalg import lstsq
 from spear.core.result import Reconstruction
 from spear.errors import InputError
-from spear.inversion.base import Inversion, Inverter, layers_below, recovered_inputs
+from spear.inversion.base import (
+    Inversion,
+    Inverter,
+    acting_layers_below,
+    layers_below,
+    recovered_inputs,
+)
 
-#: modules the exact inversion passes through unchanged
-PASS_THROUGH = (nn.Identity, nn.Flatten, nn.Dropout)
 #: D must have a smallest singular value above this fraction of its largest (rank b): below,
 #: the inputs of that layer are not determined by its gradient
 RANK_RTOL = 1e-9
@@ -52,7 +56,7 @@ class GradientInverter(Inverter):
     def applies(self, model: nn.Module, layer: str) -> bool:
         """Only Linear, ReLU and pass-through modules below ``layer``, and a Linear first (a ReLU
         applied to the raw input would lose its negative entries: not invertible)."""
-        below = [m for _, m in layers_below(model, layer) if not isinstance(m, PASS_THROUGH)]
+        below = [m for _, m in acting_layers_below(model, layer)]
         if not below:
             return True
         return isinstance(below[0], nn.Linear) and all(isinstance(m, (nn.Linear, nn.ReLU)) for m in below)

@@ -20,8 +20,7 @@ from spear.core.backtrack import gradient_row_space, invert_relu_linear
 from spear.core.consistency import Tolerances
 from spear.core.result import Reconstruction
 from spear.errors import InputError
-from spear.inversion.base import Inversion, Inverter, layers_below
-from spear.inversion.exact import PASS_THROUGH
+from spear.inversion.base import Inversion, Inverter, acting_layers_below, layers_below
 
 
 class RowSpaceInverter(Inverter):
@@ -44,7 +43,7 @@ class RowSpaceInverter(Inverter):
 
     def applies(self, model: nn.Module, layer: str) -> bool:
         """Pairs of ``Linear -> ReLU`` below ``layer`` (pass-through modules aside), nothing else."""
-        below = [m for _, m in layers_below(model, layer) if not isinstance(m, PASS_THROUGH)]
+        below = [m for _, m in acting_layers_below(model, layer)]
         pairs = zip(below[0::2], below[1::2], strict=False)
         return len(below) % 2 == 0 and all(
             isinstance(a, nn.Linear) and isinstance(r, nn.ReLU) for a, r in pairs

@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from spear.core.deadline import NEVER, Deadline
+from spear.core.linalg import solve_ex
 
 #: default relative magnitude below which an entry of ``L q`` counts as an exact zero
 DEFAULT_ZERO_RTOL = {torch.float64: 1e-9, torch.float32: 1e-4}
@@ -142,7 +143,7 @@ def _kernel_of_exact_subsets(L: torch.Tensor, rows: torch.Tensor) -> torch.Tenso
     b = L.shape[1]
     idx = rows.nonzero()[:, 1].reshape(rows.shape[0], b - 1)
     L_A = L[idx]
-    y, _ = torch.linalg.solve_ex(L_A[:, :, : b - 1], -L_A[:, :, b - 1 :])
+    y, _ = solve_ex(L_A[:, :, : b - 1], -L_A[:, :, b - 1 :])
     ones = torch.ones(y.shape[0], 1, dtype=L.dtype, device=L.device)
     q = torch.cat([y.squeeze(-1), ones], dim=1)
     return q / q.norm(dim=1, keepdim=True)

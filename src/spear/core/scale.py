@@ -16,7 +16,7 @@ from typing import Literal
 
 import torch
 
-from spear.core.linalg import lstsq
+from spear.core.linalg import lstsq, solve_ex
 
 SparsityMode = Literal["output", "input"]
 
@@ -82,7 +82,7 @@ class LayerProblem:
         valid = sv[:, -1] > SINGULAR_RTOL * sv[:, 0]
         rhs = self.pinv_grad_bias.expand(Qbar.shape[0], -1)
         if self.mode == "output":
-            c, info = torch.linalg.solve_ex(Qbar, rhs)
+            c, info = solve_ex(Qbar, rhs)
         else:
             inv_c = (Qbar.transpose(1, 2) @ rhs.unsqueeze(-1)).squeeze(-1)
             c, info = 1.0 / inv_c, torch.zeros(Qbar.shape[0], dtype=torch.int32, device=Qbar.device)
@@ -104,5 +104,5 @@ class LayerProblem:
 
     def pre_activations_t(self, Qbar: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
         """Z^T = X W^T + b for a batch (S, b, b) of output-mode matrices: (S, b, m)."""
-        solved = torch.linalg.solve(Qbar, self.R_Wt.expand(Qbar.shape[0], -1, -1))
+        solved, _ = solve_ex(Qbar, self.R_Wt.expand(Qbar.shape[0], -1, -1))
         return solved / c.unsqueeze(-1) + self.bias

@@ -6,6 +6,7 @@ import math
 
 import torch
 
+from spear.core.linalg import solve_ex
 from spear.core.proposers.base import DirectionProposer, ProposalBatch, ProposalContext, hint_cost
 
 #: relative magnitude below which an entry of ``L q`` counts as zero in the fast pre-filter
@@ -111,7 +112,7 @@ class RandomSubmatrixSampler(DirectionProposer):
         count = max(1, min(self.chunk_size, max_proposals))
         idx = sample_row_subsets(rows, b - 1, count, ctx.generator).to(L.device)
         L_A = L[idx]  # (k, b-1, b)
-        y, _ = torch.linalg.solve_ex(L_A[:, :, : b - 1], -L_A[:, :, b - 1 :])
+        y, _ = solve_ex(L_A[:, :, : b - 1], -L_A[:, :, b - 1 :])
         q = torch.cat([y.squeeze(-1), torch.ones(y.shape[0], 1, dtype=L.dtype, device=L.device)], dim=1)
         keep = prefilter(L, q, ctx, PREFILTER_RTOL.get(L.dtype, 1e-3))  # a singular L_A: inf/nan
         return hinted_batch(q, idx, keep, rows)

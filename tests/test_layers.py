@@ -124,3 +124,21 @@ def test_exact_inversion_refuses_what_it_cannot_invert(mnist):
     partial = {k: v for k, v in view.gradients.items() if k != "0.weight"}
     with pytest.raises(spear.InputError, match=r"no gradient for \['0.weight'\]"):
         GradientInverter()(view.model, "2", partial, rec)
+
+
+def test_pass_through_modules_leave_the_first_layer_first():
+    """Flatten, Dropout and Identity change nothing that reaches a layer: a Flatten-first model's
+    first Linear is not hidden (its inputs are the data; nothing to invert), and a Dropout
+    between a Linear and its ReLU leaves that Linear output-sparse."""
+    from spear.inversion import FeatureInverter
+    from spear.inversion.base import acting_layers_below
+
+    nn = torch.nn
+    model = nn.Sequential(
+        nn.Flatten(), nn.Linear(784, 50), nn.Dropout(0.1), nn.ReLU(), nn.Identity(), nn.Linear(50, 10)
+    ).double()
+    assert attackable_layers(model) == {"1": "output", "5": "input"}
+    inverter = FeatureInverter((1, 28, 28), lambda images: images.flatten(1))
+    assert not inverter.applies(model, "1") and inverter.applies(model, "5")
+    assert GradientInverter().applies(model, "5")
+    assert not acting_layers_below(model, "1") and layers_below(model, "1")

@@ -20,6 +20,7 @@ from spear.baselines.geiping import GeipingAttack
 from spear.core.proposers import PriorGuidedProposer
 from spear.fl import attackable_layers, feature_layer, layer_inputs
 from spear.inversion import InversionSettings, invert_to_inputs, layers_below
+from spear.inversion.base import acting_layers_below
 
 
 class SpearAttack(Attack):
@@ -45,7 +46,7 @@ class SpearAttack(Attack):
         rec = spear.attack_layer(model, layer, target.gradients, seed=target.seed, **options)
         inputs, verified, notes = rec.inputs, rec.verified, list(rec.notes)
         details: dict[str, Any] = {"layer": layer, "reconstruction": rec.summary()}
-        hidden = bool(layers_below(model, layer))
+        hidden = bool(acting_layers_below(model, layer))
         if hidden and rec.inputs is not None and rec.grad_outputs is not None:
             domain = target.domain
             image_shape = domain.shape if domain.image else None

@@ -19,6 +19,7 @@ from spear.core.result import Reconstruction
 from spear.data import Dataset
 from spear.fl import ClientBatch, layer_inputs
 from spear.inversion import GradientInverter, Inversion, InversionSettings, invert_features, layers_below
+from spear.inversion.base import acting_layers_below
 from spear.metrics import batch_exact, evaluate_batch, match_samples, metrics_for
 
 NAN = float("nan")
@@ -47,7 +48,7 @@ def evaluate(
     (:class:`~spear.inversion.RowSpaceInverter`), counted when the batch is not recovered."""
     record: dict[str, Any] = {}
     data_inputs, truth_features = rec.inputs, None
-    if layers_below(model, layer):
+    if acting_layers_below(model, layer):
         truth_features = layer_inputs(model, layer, secret.inputs).to(torch.float64)
         record["features"] = _score_features(rec, truth_features, atol)
         data_inputs = None if inversion is None else inversion.inputs

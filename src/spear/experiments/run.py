@@ -28,7 +28,8 @@ from spear.fl import (
     pretrain,
     simulate_round,
 )
-from spear.inversion import Inversion, InversionSettings, RowSpaceInverter, invert_to_inputs, layers_below
+from spear.inversion import Inversion, InversionSettings, RowSpaceInverter, invert_to_inputs
+from spear.inversion.base import acting_layers_below
 
 
 @dataclass(frozen=True)
@@ -168,7 +169,9 @@ def _certified_data(view, layer: str, rec: spear.Reconstruction) -> Inversion | 
     """A hidden layer's certified samples taken to the data one by one, where the batch is not
     verified and only Linear -> ReLU pairs lie below (:class:`RowSpaceInverter`)."""
     certified = rec.certified_inputs
-    if rec.verified or certified is None or not certified.shape[0] or not layers_below(view.model, layer):
+    if rec.verified or certified is None or not certified.shape[0]:
+        return None
+    if not acting_layers_below(view.model, layer):  # the first layer: its inputs are the data
         return None
     inverter = RowSpaceInverter()
     if not inverter.applies(view.model, layer):
@@ -213,7 +216,7 @@ def run_experiment(settings: ExperimentSettings, progress=None) -> ExperimentRes
     )
     rec = protocol.certify(view.model, view.gradients, rec)
     inversion = None
-    if layers_below(view.model, layer) and rec.inputs is not None and rec.grad_outputs is not None:
+    if acting_layers_below(view.model, layer) and rec.inputs is not None and rec.grad_outputs is not None:
         inversion = invert_to_inputs(
             view.model,
             layer,

@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from spear.errors import InputError
+from spear.inversion.base import PASS_THROUGH
 
 
 def _kaiming(layer: nn.Linear) -> None:
@@ -255,13 +256,12 @@ def attackable_layers(model: nn.Module) -> dict[str, str]:
     case), else "input" when a ReLU precedes it (its inputs are sparse; e.g. the output layer).
     Layers with neither are left out: SPEAR has no sparsity to work with there."""
     leaves = [(name, m) for name, m in model.named_modules() if next(m.children(), None) is None]
-    passive = (nn.Flatten, nn.Identity, nn.Dropout)
     out: dict[str, str] = {}
     for i, (name, module) in enumerate(leaves):
         if not isinstance(module, nn.Linear):
             continue
-        after = next((m for _, m in leaves[i + 1 :] if not isinstance(m, passive)), None)
-        before = next((m for _, m in reversed(leaves[:i]) if not isinstance(m, passive)), None)
+        after = next((m for _, m in leaves[i + 1 :] if not isinstance(m, PASS_THROUGH)), None)
+        before = next((m for _, m in reversed(leaves[:i]) if not isinstance(m, PASS_THROUGH)), None)
         if isinstance(after, nn.ReLU):
             out[name] = "output"
         elif isinstance(before, (nn.ReLU, nn.MaxPool2d)):

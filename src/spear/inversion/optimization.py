@@ -19,7 +19,7 @@ from torch import nn
 
 from spear.core.result import Reconstruction
 from spear.errors import InputError
-from spear.inversion.base import Inversion, Inverter, layers_below, recovered_inputs
+from spear.inversion.base import Inversion, Inverter, acting_layers_below, layers_below, recovered_inputs
 
 
 @dataclass(frozen=True)
@@ -85,7 +85,7 @@ class FeatureInverter(Inverter):
         self.image_shape, self.to_inputs, self.settings = image_shape, to_inputs, settings
 
     def applies(self, model: nn.Module, layer: str) -> bool:
-        return bool(layers_below(model, layer))
+        return bool(acting_layers_below(model, layer))
 
     def __call__(
         self,

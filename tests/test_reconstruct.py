@@ -182,6 +182,27 @@ def test_non_finite_and_wrong_types(small):
         spear.reconstruct(W, b, GW.to(torch.int64), Gb)
 
 
+def test_gradients_as_servers_receive_them():
+    """Gradients keyed by a wrapper's names (DistributedDataParallel's "module.", Opacus'
+    "_module.") are read with the prefix removed; None or a tensor is a clear error, not a
+    TypeError from deep inside."""
+    from spear.fl import fedsgd_gradients, fully_connected
+
+    model = fully_connected(40, 60, 3, seed=0, dtype=torch.float64)
+    x = torch.randn(6, 40, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    grads = fedsgd_gradients(model, x, torch.arange(6))
+    for prefix in ("module.", "_module."):
+        rec = spear.attack_layer(model, "0", {prefix + k: v for k, v in grads.items()}, seed=0)
+        assert rec.verified
+        assert_exact(rec.inputs, x)
+    mixed = {("module." + k if k.startswith("0.") else k): v for k, v in grads.items()}
+    with pytest.raises(InputError, match=r"gradients lack \['0.weight', '0.bias'\]"):
+        spear.attack_layer(model, "0", mixed, seed=0)
+    for wrong in (None, grads["0.weight"]):
+        with pytest.raises(InputError, match="must be a dict parameter-name -> gradient"):
+            spear.attack_layer(model, "0", wrong, seed=0)
+
+
 def test_all_zero_gradients(small):
     W, b, GW, Gb = small.layer_args()
     with pytest.raises(InputError, match="all zeros"):

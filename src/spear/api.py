@@ -12,7 +12,7 @@ import numbers
 import os
 import sys
 import warnings
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -127,11 +127,24 @@ def _caller_level() -> int:
 _warned_oversubscribed = False
 
 
+#: prefixes that wrappers add to parameter names: DistributedDataParallel and DataParallel
+#: ("module."), Opacus' GradSampleModule ("_module."), torch.compile ("_orig_mod.")
+WRAPPER_PREFIXES = ("module.", "_module.", "_orig_mod.")
+
+
 def named_gradients(model: torch.nn.Module, gradients: Mapping[str, Any] | Sequence[Any]) -> dict[str, Any]:
     """The update as a dict parameter-name -> gradient: a dict as given, or a list in
-    ``model.parameters()`` order (a clear error when its length does not match)."""
+    ``model.parameters()`` order (a clear error when its length does not match). A dict keyed by
+    a wrapped model's names (every key with one of ``WRAPPER_PREFIXES``) is read with the
+    prefix removed when that gives the model's own names."""
     if isinstance(gradients, Mapping):
-        return dict(gradients)
+        return _unwrapped(model, dict(gradients))
+    if gradients is None or isinstance(gradients, torch.Tensor) or not isinstance(gradients, Iterable):
+        raise InputError(
+            f"gradients must be a dict parameter-name -> gradient or a list in model.parameters() "
+            f"order, got {type(gradients).__name__}; for gradients left on a model by backward(), "
+            "pass {name: p.grad for name, p in model.named_parameters()}"
+        )
     names = [name for name, _ in model.named_parameters()]
     listed = list(gradients)
     if len(listed) != len(names):
@@ -140,6 +153,20 @@ def named_gradients(model: torch.nn.Module, gradients: Mapping[str, Any] | Seque
             "per parameter in model.parameters() order, or a dict name -> gradient"
         )
     return dict(zip(names, listed, strict=True))
+
+
+def _unwrapped(model: torch.nn.Module, grads: dict[str, Any]) -> dict[str, Any]:
+    """``grads`` with a wrapper's prefix removed from every key, where the model's own names
+    then cover them all and the keys as given name none of its parameters."""
+    names = {name for name, _ in model.named_parameters()}
+    if not grads or names & set(grads):
+        return grads
+    for prefix in WRAPPER_PREFIXES:
+        if all(key.startswith(prefix) for key in grads):
+            stripped = {key[len(prefix) :]: value for key, value in grads.items()}
+            if set(stripped) <= names:
+                return stripped
+    return grads
 
 
 def build_options(options: Mapping[str, Any]) -> AttackOptions:

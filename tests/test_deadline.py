@@ -37,6 +37,35 @@ def test_peeling_stops_at_the_deadline():
     assert not bool(late.consistent.any()) and len(late.samples) == 0
 
 
+def test_peel_steps_are_bounded_by_work_and_do_not_change_the_samples(monkeypatch):
+    """Peeling checks its directions in steps bounded by work (an SVD and a least-squares
+    solve of m x (b + 1) per direction), not 32 at a time whatever their size (seconds idle at
+    m = 1000, b = 320). The step size follows from the shapes alone (the same every run, at any
+    load); the samples agree at any step size to rounding (a matrix product's blocking depends
+    on how many rows it has, so not bit for bit)."""
+    import spear.core.filtering as filtering
+    import spear.core.peeling as peeling
+
+    _, problem, _, _, Qt = _client(40, 400)
+    masks = zero_mask((problem.L @ Qt).T, 1e-9)
+    whole = _peeler(problem).peel(Qt.T, masks)
+    rows, b = problem.L.shape
+    assert len(peeling.peel_chunks(torch.arange(40), 1000, 321)) == 40  # one direction a step
+    assert len(peeling.peel_chunks(torch.arange(40), rows, b + 1)) == 2  # 32 at most
+    per = rows * (b + 1) ** 2 + filtering.KERNEL_MASK_OVERHEAD
+    monkeypatch.setattr(filtering, "KERNEL_CHUNK_WORK", 3 * per)
+    assert len(peeling.peel_chunks(torch.arange(40), rows, b + 1)) == 14
+    stepped = _peeler(problem).peel(Qt.T, masks)
+    late = _peeler(problem).peel(Qt.T, masks, _PassesAfter(2))  # two steps, then the deadline
+    assert int(late.consistent.sum()) == 6 and bool(late.consistent[:6].all())
+    assert torch.equal(stepped.consistent, whole.consistent) and torch.equal(stepped.robust, whole.robust)
+    for name in ("inputs", "coefficients", "duals", "next_grad_outputs"):
+        ours, theirs = getattr(stepped.samples, name), getattr(whole.samples, name)
+        assert torch.allclose(ours, theirs, rtol=1e-10, atol=1e-12 * float(theirs.abs().max())), name
+    again = _peeler(problem).peel(Qt.T, masks)
+    assert torch.equal(again.samples.inputs, stepped.samples.inputs)  # same steps, same bits
+
+
 def test_greedy_sweeps_stop_at_the_deadline():
     from tests.test_core_units import layer_problem
 

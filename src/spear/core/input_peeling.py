@@ -90,7 +90,7 @@ class InputSidePeeler:
         if k and self.usable:
             p = directions.to(L.dtype)
             rows = max(m, R.shape[1])
-            for part in peel_chunks(torch.arange(k, device=L.device), rows * b):
+            for part in peel_chunks(torch.arange(k, device=L.device), rows, b):
                 if deadline.passed():
                     break
                 ok, firm, r, duals[part] = self._complete(p[part])

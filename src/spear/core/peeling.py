@@ -43,7 +43,7 @@ from dataclasses import dataclass
 import torch
 
 from spear.core.deadline import NEVER, Deadline
-from spear.core.filtering import ESSENTIAL_ROW_TOL, kernel_of_rows
+from spear.core.filtering import ESSENTIAL_ROW_TOL, kernel_chunk, kernel_of_rows
 from spear.core.linalg import lstsq
 from spear.core.lowrank import leading_svd, numerical_rank
 from spear.core.proposers.base import orthogonal_complement
@@ -65,11 +65,16 @@ SPARE_EQUATIONS = 8
 NEXT_ZERO_RTOL = 1e-11
 
 
-def peel_chunks(indices: torch.Tensor, per_direction: int) -> tuple[torch.Tensor, ...]:
-    """``indices`` in memory-bounded chunks of at most ``PEEL_CHUNK_DIRECTIONS``."""
+def peel_chunks(indices: torch.Tensor, rows: int, cols: int) -> tuple[torch.Tensor, ...]:
+    """``indices`` in chunks of at most ``PEEL_CHUNK_DIRECTIONS``, each bounded in memory and in
+    work like snapping's kernel steps (:func:`spear.core.filtering.kernel_chunk`: every direction
+    costs an SVD or least-squares solve of a ``rows x cols`` system), so that the deadline is
+    checked often: at m = 1000, b = 320 a chunk of 32 directions took seconds idle and, on an
+    oversubscribed machine, tens of seconds past a time budget. Sizes follow from the shapes
+    alone, so every run takes the same steps."""
     if indices.numel() == 0:
         return ()
-    size = max(1, min(PEEL_CHUNK_DIRECTIONS, PEEL_CHUNK_ELEMENTS // max(1, per_direction)))
+    size = min(PEEL_CHUNK_DIRECTIONS, kernel_chunk(rows, cols, PEEL_CHUNK_ELEMENTS))
     return indices.split(size)
 
 
@@ -328,7 +333,7 @@ class SamplePeeler:
         # refuted only once the retry has failed too (not when the deadline cut it off)
         first = checks.refuted.clone()
         checks.refuted[failed[retry]] = False
-        for part in peel_chunks(retry.nonzero()[:, 0], m * (b + 1)):
+        for part in peel_chunks(retry.nonzero()[:, 0], m, b + 1):
             if deadline.passed():
                 break
             rows = failed[part]
@@ -355,7 +360,7 @@ class SamplePeeler:
             zeros = masks.sum(dim=1)
             # enough equations in step 2, and enough zero rows for a one-dimensional kernel
             eligible = ((m - zeros >= b + 1 + SPARE_EQUATIONS) & (zeros >= b)).nonzero()[:, 0]
-            for part in peel_chunks(eligible, m * (b + 1)):
+            for part in peel_chunks(eligible, m, b + 1):
                 if deadline.passed():
                     break
                 checks.record(part, *self._certify(directions[part].to(L.dtype), masks[part]))
@@ -380,7 +385,7 @@ class SamplePeeler:
         out = torch.zeros(f, self.U2.shape[0], dtype=L.dtype, device=L.device)
         if f == 0 or r == 0:
             return out
-        for part in torch.arange(f, device=L.device).split(max(1, PEEL_CHUNK_ELEMENTS // (m * r))):
+        for part in peel_chunks(torch.arange(f, device=L.device), m, r):
             act = active[part].to(L.dtype)
             grad = (duals[part] @ L.T) * act  # dL/dZ_j on the active rows, (p, m)
             system = self.back.unsqueeze(0) * act.unsqueeze(-1)

@@ -137,6 +137,17 @@ def test_cpa_attack_runs_on_a_model_and_refuses_b_too_large():
         CocktailPartyAttack()(big)
 
 
+def test_cpa_on_a_flatten_first_model_separates_the_data_itself():
+    """A Flatten before the first Linear hides nothing: CPA's sources are the images (its
+    image-prior unmixing), with no feature inversion through the Flatten."""
+    target, _, _ = tiny_target(b=2)
+    target.model = nn.Sequential(nn.Flatten(), *target.model).double()
+    target.gradients = {f"{int(k[0]) + 1}{k[1:]}": v for k, v in target.gradients.items()}
+    out = CocktailPartyAttack(inversion_steps=3)(target)
+    assert out.details["layer"] == "1" and out.inputs.shape == (2, 16)
+    assert not any("feature inversion" in note for note in out.notes)
+
+
 def test_spear_behind_the_interface_is_exact_and_verified():
     target, inputs, labels = tiny_target(b=3, width=60)
     out = SpearAttack(max_proposals=200_000)(target)

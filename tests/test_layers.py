@@ -126,10 +126,30 @@ def test_exact_inversion_refuses_what_it_cannot_invert(mnist):
         GradientInverter()(view.model, "2", partial, rec)
 
 
+def test_a_training_dropout_hides_the_data():
+    """A Dropout in training mode masks and rescales what the next layer sees (the mask is not
+    in the server's view): the layer above it is hidden, and nothing recovered there counts as
+    the data; in eval mode, or with p = 0, it passes the data through."""
+    from spear.inversion.base import acting_layers_below
+
+    nn = torch.nn
+    model = nn.Sequential(nn.Dropout(0.5), nn.Linear(16, 30), nn.ReLU(), nn.Linear(30, 5)).double()
+    assert model.training and acting_layers_below(model, "1") == [("0", model[0])]
+    assert not GradientInverter().applies(model, "1")
+    with pytest.raises(spear.InputError, match="feature inversion needs"):
+        invert_to_inputs(model, "1", {}, None)  # refused before it reads a reconstruction
+    model[0].p = 0.0
+    assert not acting_layers_below(model, "1")
+    model[0].p = 0.5
+    model.eval()
+    assert not acting_layers_below(model, "1") and GradientInverter().applies(model, "1")
+
+
 def test_pass_through_modules_leave_the_first_layer_first():
     """Flatten, Dropout and Identity change nothing that reaches a layer: a Flatten-first model's
     first Linear is not hidden (its inputs are the data; nothing to invert), and a Dropout
     between a Linear and its ReLU leaves that Linear output-sparse."""
+    from spear.api import _check_first_layer
     from spear.inversion import FeatureInverter
     from spear.inversion.base import acting_layers_below
 
@@ -137,8 +157,13 @@ def test_pass_through_modules_leave_the_first_layer_first():
     model = nn.Sequential(
         nn.Flatten(), nn.Linear(784, 50), nn.Dropout(0.1), nn.ReLU(), nn.Identity(), nn.Linear(50, 10)
     ).double()
-    assert attackable_layers(model) == {"1": "output", "5": "input"}
+    assert attackable_layers(model) == {"1": "output", "5": "input"}  # in either mode
+    model.eval()  # the Dropout passes its inputs through
     inverter = FeatureInverter((1, 28, 28), lambda images: images.flatten(1))
     assert not inverter.applies(model, "1") and inverter.applies(model, "5")
     assert GradientInverter().applies(model, "5")
     assert not acting_layers_below(model, "1") and layers_below(model, "1")
+    _check_first_layer(model, "1", "sample_weights")  # the data reaches it through a Flatten
+    assert acting_layers_below(model, "5") == [("1", model[1]), ("3", model[3])]  # eval: no Dropout
+    with pytest.raises(spear.InputError, match="first layer only; layer '5' sees hidden activations"):
+        _check_first_layer(model, "5", "sample_weights")

@@ -436,12 +436,13 @@ def _linear_below(model: torch.nn.Module, layer: str) -> str | None:
 
 
 def _check_first_layer(model: torch.nn.Module, layer: str, what: str) -> None:
-    """A clear error unless ``layer`` is the first module that touches the model's input."""
-    leaves = [name for name, mod in model.named_modules() if next(mod.children(), None) is None]
-    if not leaves or leaves[0] != layer:
+    """A clear error unless ``layer`` takes the model's inputs: only pass-through modules
+    (``Flatten``, ``Identity``, an eval-mode ``Dropout``) run before it."""
+    below = acting_layers_below(model, layer)
+    if below:
         raise InputError(
-            f"{what} needs the model's inputs, so it applies to the first layer only ({leaves[:1]}); "
-            f"layer {layer!r} sees hidden activations"
+            f"{what} needs the model's inputs, so it applies to the first layer only; layer {layer!r} "
+            f"sees hidden activations (of {below[-1][0]!r}): attack the model's first layer"
         )
 
 

@@ -161,8 +161,8 @@ def cascade_layers(model: nn.Module) -> list[str]:
 
 
 def is_hidden(model: nn.Module, layer: str) -> bool:
-    """Whether a module other than a pass-through one (Flatten, Identity, Dropout) runs below
-    ``layer``: its inputs are then features, not the data."""
+    """Whether a module other than a pass-through one (Flatten, Identity, an eval-mode Dropout)
+    runs below ``layer``: its inputs are then features, not the data."""
     return bool(acting_layers_below(model, layer))
 
 

@@ -34,6 +34,7 @@ from spear.core.linalg import lstsq
 from spear.errors import InputError
 from spear.fl import feature_layer
 from spear.inversion import InversionSettings, invert_features, layers_below
+from spear.inversion.base import acting_layers_below
 from spear.inversion.optimization import total_variation
 
 
@@ -178,14 +179,15 @@ class CocktailPartyAttack(Attack):
             raise InputError(f"layer {layer!r} has no bias: CPA's scales here come from its bias gradient")
         bias_gradient = target.gradients[f"{layer}.bias"].detach().to(torch.float64).cpu()
         mixture = WhitenedMixture.of(gradient, target.batch_size)
-        below = layers_below(model, layer)
-        shape = target.domain.shape if target.domain.image and not below else None
+        below = layers_below(model, layer)  # the forward net; pass-through modules hide nothing
+        hidden = bool(acting_layers_below(model, layer))
+        shape = target.domain.shape if target.domain.image and not hidden else None
         U = unmix(mixture, self.config, shape, target.seed)
         directions = U @ mixture.whitening @ mixture.basis  # the unmixing applied before centring
         inputs = scaled_sources(gradient, bias_gradient, directions)
         notes = ["an estimate by ICA, never verified; sign and scale from the bias gradient"]
         details = {"layer": layer}
-        if below:
+        if hidden:
             features = inputs.to(target.dtype)
             below_net = torch.nn.Sequential(*(m for _, m in below))
             images = invert_features(

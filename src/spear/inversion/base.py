@@ -13,8 +13,18 @@ from spear.core.result import Reconstruction
 from spear.errors import InputError
 
 #: modules that leave a Linear layer's (batch, features) output as it is (a Dropout as in eval
-#: mode)
+#: mode; :func:`acting_layers_below` asks :func:`changes_data` for the mode the model is in)
 PASS_THROUGH = (nn.Identity, nn.Flatten, nn.Dropout)
+
+
+def changes_data(module: nn.Module) -> bool:
+    """Whether ``module`` changes what passes through it: anything but the pass-through modules,
+    and a Dropout in training mode (``p > 0``), whose random mask and 1 / (1 - p) scale a client
+    training with it applies to what the next layer sees; that layer's inputs are then not the
+    data (the mask is not in the server's view), so nothing recovered there is the data."""
+    if isinstance(module, nn.Dropout):
+        return module.training and module.p > 0
+    return not isinstance(module, PASS_THROUGH)
 
 
 @dataclass
@@ -91,6 +101,7 @@ def layers_below(model: nn.Module, layer: str) -> list[tuple[str, nn.Module]]:
 
 
 def acting_layers_below(model: nn.Module, layer: str) -> list[tuple[str, nn.Module]]:
-    """:func:`layers_below` without the pass-through modules (``PASS_THROUGH``): the ones that
-    change what reaches ``layer``. Empty for a model's first layer."""
-    return [(name, m) for name, m in layers_below(model, layer) if not isinstance(m, PASS_THROUGH)]
+    """:func:`layers_below` without the pass-through modules (:func:`changes_data`): the ones
+    that change what reaches ``layer``. Empty for a model's first layer, also behind a Flatten
+    or an eval-mode Dropout; a Dropout that is training hides the data from every layer above."""
+    return [(name, m) for name, m in layers_below(model, layer) if changes_data(m)]

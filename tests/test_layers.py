@@ -130,14 +130,23 @@ def test_a_training_dropout_hides_the_data():
     """A Dropout in training mode masks and rescales what the next layer sees (the mask is not
     in the server's view): the layer above it is hidden, and nothing recovered there counts as
     the data; in eval mode, or with p = 0, it passes the data through."""
+    from spear.api import _check_first_layer
+    from spear.inversion import FeatureInverter
     from spear.inversion.base import acting_layers_below
 
     nn = torch.nn
     model = nn.Sequential(nn.Dropout(0.5), nn.Linear(16, 30), nn.ReLU(), nn.Linear(30, 5)).double()
     assert model.training and acting_layers_below(model, "1") == [("0", model[0])]
-    assert not GradientInverter().applies(model, "1")
-    with pytest.raises(spear.InputError, match="feature inversion needs"):
-        invert_to_inputs(model, "1", {}, None)  # refused before it reads a reconstruction
+    inverter = FeatureInverter((1, 4, 4), lambda images: images.flatten(1))
+    assert not GradientInverter().applies(model, "1") and not inverter.applies(model, "1")
+    # every route to the data refuses, naming the Dropout and the remedy, before it reads anything
+    for attempt in (
+        lambda: invert_to_inputs(model, "1", {}, None, image_shape=(1, 4, 4), to_inputs=lambda x: x),
+        lambda: inverter(model, "1", {}, None),
+        lambda: _check_first_layer(model, "1", "sample_weights"),
+    ):
+        with pytest.raises(spear.InputError, match=r"Dropout \['0'\] .* training mode.*model.eval\(\)"):
+            attempt()
     model[0].p = 0.0
     assert not acting_layers_below(model, "1")
     model[0].p = 0.5

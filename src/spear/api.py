@@ -31,7 +31,7 @@ from spear.core.proposers import DirectionProposer
 from spear.core.reconstruct import run_attack
 from spear.core.result import AttackOptions, Reconstruction
 from spear.errors import InputError, OversubscribedWarning
-from spear.inversion.base import acting_layers_below
+from spear.inversion.base import acting_layers_below, check_no_random_masks
 
 _OPTION_NAMES = {f.name for f in dataclasses.fields(AttackOptions)}
 #: a sample is saturated when its gradient changes by at most this many eps (of the gradient's
@@ -438,6 +438,7 @@ def _linear_below(model: torch.nn.Module, layer: str) -> str | None:
 def _check_first_layer(model: torch.nn.Module, layer: str, what: str) -> None:
     """A clear error unless ``layer`` takes the model's inputs: only pass-through modules
     (``Flatten``, ``Identity``, an eval-mode ``Dropout``) run before it."""
+    check_no_random_masks(model, layer, f"{what} needs the model's inputs")
     below = acting_layers_below(model, layer)
     if below:
         raise InputError(

@@ -34,7 +34,7 @@ from spear.core.linalg import lstsq
 from spear.errors import InputError
 from spear.fl import feature_layer
 from spear.inversion import InversionSettings, invert_features, layers_below
-from spear.inversion.base import acting_layers_below
+from spear.inversion.base import acting_layers_below, check_no_random_masks
 from spear.inversion.optimization import total_variation
 
 
@@ -188,6 +188,7 @@ class CocktailPartyAttack(Attack):
         notes = ["an estimate by ICA, never verified; sign and scale from the bias gradient"]
         details = {"layer": layer}
         if hidden:
+            check_no_random_masks(model, layer, "CPA's separated features cannot be inverted to the data")
             features = inputs.to(target.dtype)
             below_net = torch.nn.Sequential(*(m for _, m in below))
             images = invert_features(

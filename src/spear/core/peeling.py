@@ -74,7 +74,7 @@ def peel_chunks(indices: torch.Tensor, rows: int, cols: int) -> tuple[torch.Tens
     alone, so every run takes the same steps."""
     if indices.numel() == 0:
         return ()
-    size = min(PEEL_CHUNK_DIRECTIONS, kernel_chunk(rows, cols, PEEL_CHUNK_ELEMENTS))
+    size = min(PEEL_CHUNK_DIRECTIONS, kernel_chunk(max(1, rows), max(1, cols), PEEL_CHUNK_ELEMENTS))
     return indices.split(size)
 
 
@@ -333,7 +333,7 @@ class SamplePeeler:
         # refuted only once the retry has failed too (not when the deadline cut it off)
         first = checks.refuted.clone()
         checks.refuted[failed[retry]] = False
-        for part in peel_chunks(retry.nonzero()[:, 0], m, b + 1):
+        for part in peel_chunks(retry.nonzero()[:, 0], 2 * m, b + 1):  # two SVDs a direction
             if deadline.passed():
                 break
             rows = failed[part]

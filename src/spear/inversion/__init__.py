@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from spear.core.result import Reconstruction
-from spear.inversion.base import Inversion, Inverter, layers_below
+from spear.inversion.base import Inversion, Inverter, check_no_random_masks, layers_below
 from spear.inversion.exact import GradientInverter
 from spear.inversion.optimization import FeatureInverter, InversionSettings, invert_features, total_variation
 from spear.inversion.row_space import RowSpaceInverter
@@ -41,6 +41,7 @@ def invert_to_inputs(
     """The model inputs behind ``reconstruction`` (the inputs of ``layer``): exactly through the
     gradients when only Linear and ReLU layers lie below, otherwise by feature inversion, which
     needs ``image_shape`` and ``to_inputs`` (images in [0, 1] -> model inputs)."""
+    check_no_random_masks(model, layer, "no inversion takes these inputs back to the data")
     exact = GradientInverter()
     if exact.applies(model, layer):
         return exact(model, layer, gradients, reconstruction)

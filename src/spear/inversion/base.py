@@ -105,3 +105,21 @@ def acting_layers_below(model: nn.Module, layer: str) -> list[tuple[str, nn.Modu
     that change what reaches ``layer``. Empty for a model's first layer, also behind a Flatten
     or an eval-mode Dropout; a Dropout that is training hides the data from every layer above."""
     return [(name, m) for name, m in layers_below(model, layer) if changes_data(m)]
+
+
+def random_masks_below(model: nn.Module, layer: str) -> list[str]:
+    """The Dropouts below ``layer`` that are in training mode (:func:`changes_data`): their
+    masks are drawn by the client and are not in the server's view."""
+    return [name for name, m in layers_below(model, layer) if isinstance(m, nn.Dropout) and changes_data(m)]
+
+
+def check_no_random_masks(model: nn.Module, layer: str, what: str) -> None:
+    """A clear error when a training-mode Dropout below ``layer`` stands between its inputs and
+    the data: ``what`` (an inversion, a first-layer option) cannot undo a mask it never sees."""
+    masks = random_masks_below(model, layer)
+    if masks:
+        raise InputError(
+            f"{what}: the Dropout {masks} below layer {layer!r} is in training mode, so what reaches "
+            f"{layer!r} was masked at random by the client, and the server never sees the mask. If the "
+            "client trains without dropout, put the model in eval mode (model.eval()) first"
+        )

@@ -19,7 +19,15 @@ from torch import nn
 
 from spear.core.result import Reconstruction
 from spear.errors import InputError
-from spear.inversion.base import Inversion, Inverter, acting_layers_below, layers_below, recovered_inputs
+from spear.inversion.base import (
+    Inversion,
+    Inverter,
+    acting_layers_below,
+    check_no_random_masks,
+    layers_below,
+    random_masks_below,
+    recovered_inputs,
+)
 
 
 @dataclass(frozen=True)
@@ -85,7 +93,8 @@ class FeatureInverter(Inverter):
         self.image_shape, self.to_inputs, self.settings = image_shape, to_inputs, settings
 
     def applies(self, model: nn.Module, layer: str) -> bool:
-        return bool(acting_layers_below(model, layer))
+        """A hidden layer, with no training-mode Dropout below (its random mask is the client's)."""
+        return bool(acting_layers_below(model, layer)) and not random_masks_below(model, layer)
 
     def __call__(
         self,
@@ -94,6 +103,7 @@ class FeatureInverter(Inverter):
         gradients: Mapping[str, torch.Tensor],
         reconstruction: Reconstruction,
     ) -> Inversion:
+        check_no_random_masks(model, layer, "feature inversion cannot reach the data")
         below = nn.Sequential(*(m for _, m in layers_below(model, layer)))
         features = recovered_inputs(reconstruction)
         images = invert_features(below, features, self.image_shape, self.to_inputs, self.settings)

@@ -341,6 +341,20 @@ def test_dp_noise_gives_a_full_rank_gradient_read_off_its_gap(mnist):
         assert float(error) < 1e-6
 
 
+def test_the_audit_refuses_a_model_whose_first_linear_sees_features():
+    """The audit counts the first Linear's inputs as the clients' samples: a CNN's head or a
+    Linear behind a training-mode Dropout sees something else, refused with a clear error."""
+    from spear.errors import InputError
+    from spear.fl import small_cnn
+
+    with pytest.raises(InputError, match="its inputs are features"):
+        AuditingFedAvg(small_cnn((1, 16, 16), hidden=32, classes=5, seed=0))
+    dropped = torch.nn.Sequential(torch.nn.Dropout(0.2), *fully_connected(16, 20, 2, 5, seed=0))
+    with pytest.raises(InputError, match=r"training mode.*model.eval\(\)"):
+        AuditingFedAvg(dropped)
+    AuditingFedAvg(dropped.eval())  # an eval-mode Dropout passes the data through
+
+
 def test_audit_without_the_learning_rate_says_so(mnist):
     from flwr.common import Code, FitRes, Status
 

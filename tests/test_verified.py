@@ -264,6 +264,19 @@ def test_half_precision_gradients_are_upcast_with_their_own_tolerances(dtype, b,
     assert rec.verified, rec.message
 
 
+def test_half_precision_gradients_name_their_precision_when_the_model_cannot_certify():
+    """Through the model, a float16 gradient cannot show how a sample's gradient moves with its
+    input (1e3 eps is about 1): the result is the batch to float16's precision, unverified,
+    and says that the gradient's precision, not the loss, is the limit."""
+    x, y = gaussian(8, 300, seed=8)
+    batch = make_batch(x, y, mlp(300, 500, seed=2))
+    grads = {name: grad.to(torch.float16) for name, grad in batch.grads.items()}
+    rec = spear.attack_layer(batch.model, "0", grads, max_proposals=100_000, seed=0)
+    assert not rec.verified and "saturated at the gradient's precision" in rec.message
+    assert "float16 or bfloat16" in rec.message
+    assert exact(rec.inputs, x, 1e-3)
+
+
 # --- dead neurons, dense gradients, duplicates, invisible samples --------------------------------
 
 

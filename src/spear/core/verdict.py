@@ -426,9 +426,11 @@ def _judge_by_model(
     saturated = cert.saturated.nonzero()[:, 0].tolist()
     if saturated:
         verdict.problems.append(
-            f"the loss of sample(s) {saturated} is saturated (their gradient does not change with the "
-            "input inside its activation region): samples sharing such a pattern and label have one "
-            "gradient, so a column may stand for several of them"
+            f"the loss of sample(s) {saturated} is saturated at the gradient's precision (their "
+            "gradient changes with the input, inside its activation region, by less than 1e3 eps of "
+            "the gradient's dtype): samples sharing such a pattern and label have one gradient at "
+            "that precision, so a column may stand for several of them. With float16 or bfloat16 "
+            "gradients nearly every sample reads so (float32 ones can be certified)"
         )
     weak = (~cert.strong & ~pinned & ~cert.saturated).nonzero()[:, 0].tolist()
     if weak:

@@ -371,7 +371,9 @@ def attack_layer(
 
     Returns:
         The :class:`Reconstruction` of that layer's inputs (the data itself for the first layer,
-        hidden activations for deeper ones), with ``labels`` when the model certified them.
+        hidden activations for deeper ones, and masked data behind a Dropout in training mode:
+        see :func:`spear.inversion.base.changes_data`), with ``labels`` when the model
+        certified them.
 
     Raises:
         NoSparsityError: the model shows a non-ReLU activation right after the layer.

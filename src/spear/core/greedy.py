@@ -83,10 +83,17 @@ def score(
 
 
 def sparsest_basis(
-    directions: torch.Tensor, zero_counts: torch.Tensor, b: int, certified: torch.Tensor | None = None
+    directions: torch.Tensor,
+    zero_counts: torch.Tensor,
+    b: int,
+    certified: torch.Tensor | None = None,
+    rank_rtol: float = RANK_RTOL,
 ) -> list[int] | None:
     """Stage 1: greedily collect the sparsest candidates that raise the rank (Algorithm 3, l. 2-9),
-    certified candidates (samples peeled exactly, :mod:`spear.core.peeling`) first.
+    certified candidates (samples peeled exactly, :mod:`spear.core.peeling`) first. A candidate
+    raises the rank when more than ``rank_rtol`` of it lies outside the span chosen so far: at
+    least the angle within which candidates can be copies of one column (the gradient's
+    precision, :func:`spear.core.reconstruct.copy_angle`).
 
     Returns b indices, or None when the candidates span fewer than b dimensions."""
     key = zero_counts.to(torch.float64)
@@ -100,7 +107,7 @@ def sparsest_basis(
         for u in basis:
             v = v - (u @ v) * u
         norm = torch.linalg.vector_norm(v)
-        if norm > RANK_RTOL:
+        if norm > rank_rtol:
             basis.append(v / norm)
             chosen.append(i)
             if len(chosen) == b:
@@ -245,16 +252,18 @@ def greedy_filter(
     certain_zero: torch.Tensor | None = None,
     z_rtol: float = 0.0,
     deadline: Deadline = NEVER,
+    rank_rtol: float = RANK_RTOL,
 ) -> Selection | None:
     """Algorithm 3: stage 1, then greedy swaps that maximise sigma. None if rank < b.
 
     ``certified`` (bool per candidate) marks directions whose samples were recovered and
     checked one by one (:mod:`spear.core.peeling`): they are selected first and never swapped
     out, so the swaps only search the remaining positions. ``certain_zero`` and ``z_rtol``
-    make sigma tolerance-aware (see :func:`score`). Past ``deadline`` no further sweep starts:
-    the selection so far is returned."""
+    make sigma tolerance-aware (see :func:`score`), ``rank_rtol`` stage 1's rank test (see
+    :func:`sparsest_basis`). Past ``deadline`` no further sweep starts: the selection so far is
+    returned."""
     b = problem.batch_size
-    chosen = sparsest_basis(directions, zero_counts, b, certified)
+    chosen = sparsest_basis(directions, zero_counts, b, certified, rank_rtol)
     if chosen is None:
         return None
     current = torch.tensor(chosen, device=directions.device)

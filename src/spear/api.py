@@ -31,7 +31,7 @@ from spear.core.proposers import DirectionProposer
 from spear.core.reconstruct import run_attack
 from spear.core.result import AttackOptions, Reconstruction
 from spear.errors import InputError, OversubscribedWarning
-from spear.inversion.base import acting_layers_below, check_no_random_masks
+from spear.inversion.base import acting_layers_below, check_takes_the_data
 
 _OPTION_NAMES = {f.name for f in dataclasses.fields(AttackOptions)}
 #: a sample is saturated when its gradient changes by at most this many eps (of the gradient's
@@ -440,13 +440,12 @@ def _linear_below(model: torch.nn.Module, layer: str) -> str | None:
 def _check_first_layer(model: torch.nn.Module, layer: str, what: str) -> None:
     """A clear error unless ``layer`` takes the model's inputs: only pass-through modules
     (``Flatten``, ``Identity``, an eval-mode ``Dropout``) run before it."""
-    check_no_random_masks(model, layer, f"{what} needs the model's inputs")
-    below = acting_layers_below(model, layer)
-    if below:
-        raise InputError(
-            f"{what} needs the model's inputs, so it applies to the first layer only; layer {layer!r} "
-            f"sees hidden activations (of {below[-1][0]!r}): attack the model's first layer"
-        )
+    check_takes_the_data(
+        model,
+        layer,
+        f"{what} needs the model's inputs, so it applies to the first layer only",
+        "Attack the model's first layer",
+    )
 
 
 def _next_linear(

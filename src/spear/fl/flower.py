@@ -130,19 +130,16 @@ class AuditRecord:
 def _check_data_layer(model: nn.Module) -> None:
     """A clear error unless the model's first Linear takes the data (only pass-through modules
     before it): the audit counts what it recovers there as the clients' samples."""
-    from spear.errors import InputError
-    from spear.inversion.base import acting_layers_below, check_no_random_masks
+    from spear.inversion.base import check_takes_the_data
 
     layer = first_linear(model)
-    check_no_random_masks(model, layer, "the audit counts the first Linear's inputs as the clients' data")
-    below = acting_layers_below(model, layer)
-    if below:
-        raise InputError(
-            f"the audit attacks the model's first Linear ({layer!r}) and counts its inputs as the clients' "
-            f"data, but {[name for name, _ in below]} run before it: its inputs are features. Audit an MLP "
-            "(or tabular model) whose first Linear takes the data, or use spear.attack_layer and "
-            "spear.inversion on the updates"
-        )
+    check_takes_the_data(
+        model,
+        layer,
+        f"the audit attacks the model's first Linear ({layer!r}) and counts its inputs as the clients' data",
+        "Audit an MLP (or tabular model) whose first Linear takes the data, or use spear.attack_layer "
+        "and spear.inversion on the updates",
+    )
 
 
 class AuditingFedAvg(FedAvgStrategy):

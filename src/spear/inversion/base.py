@@ -123,3 +123,15 @@ def check_no_random_masks(model: nn.Module, layer: str, what: str) -> None:
             f"{layer!r} was masked at random by the client, and the server never sees the mask. If the "
             "client trains without dropout, put the model in eval mode (model.eval()) first"
         )
+
+
+def check_takes_the_data(model: nn.Module, layer: str, what: str, remedy: str) -> None:
+    """A clear error unless ``layer``'s inputs are the data (only pass-through modules below):
+    ``what`` says why that is needed, ``remedy`` what to do instead."""
+    check_no_random_masks(model, layer, what)
+    below = acting_layers_below(model, layer)
+    if below:
+        raise InputError(
+            f"{what}; layer {layer!r} sees hidden activations (of {below[-1][0]!r}): its inputs are "
+            f"features, not the data. {remedy}"
+        )

@@ -48,6 +48,7 @@ def test_attack_table_output():
         (["attack", "--model", "resnet"], "unknown --model"),
         (["attack", "--dataset", "adult", "--model", "cnn"], "needs image data"),
         (["attack", "--layer", "2", "--protocol", "fedavg"], "hidden layer"),
+        (["attack", "--model", "cnn", "--protocol", "fedavg", "-b", "4"], "replay certificate"),
         (["attack", "--depth", "1"], "--depth must be >= 2"),
         (["theory", "--batch-size", "30", "--width", "20"], "below the layer width"),
         (["evaluate", "--batches", "0"], "--batches must be >= 1"),

@@ -110,8 +110,12 @@ def test_exact_inversion_refuses_what_it_cannot_invert(mnist):
     'verified' as relu(x)); a lower layer missing from the update cannot be solved."""
     torch.manual_seed(0)
     relu_first = torch.nn.Sequential(
-        torch.nn.ReLU(), torch.nn.Linear(784, 300), torch.nn.ReLU(), torch.nn.Linear(300, 300),
-        torch.nn.ReLU(), torch.nn.Linear(300, 10),
+        torch.nn.ReLU(),
+        torch.nn.Linear(784, 300),
+        torch.nn.ReLU(),
+        torch.nn.Linear(300, 300),
+        torch.nn.ReLU(),
+        torch.nn.Linear(300, 10),
     ).double()
     assert not GradientInverter().applies(relu_first, "3")
     view, _ = simulate_fedsgd(relu_first, mnist, 6, seed=0)
@@ -152,6 +156,23 @@ def test_a_training_dropout_hides_the_data():
     model[0].p = 0.5
     model.eval()
     assert not acting_layers_below(model, "1") and GradientInverter().applies(model, "1")
+
+
+@pytest.mark.parametrize(
+    "kind", ["Dropout1d", "Dropout2d", "Dropout3d", "AlphaDropout", "FeatureAlphaDropout"]
+)
+def test_every_kind_of_dropout_passes_the_data_only_in_eval_mode(kind):
+    """Every dropout is the identity in eval mode (an AlphaDropout model used to be refused as
+    if its first Linear saw features), and masks at random in training mode."""
+    from spear.inversion.base import acting_layers_below, random_masks_below
+
+    nn = torch.nn
+    model = nn.Sequential(getattr(nn, kind)(0.3), nn.Linear(16, 30), nn.ReLU(), nn.Linear(30, 5)).double()
+    assert random_masks_below(model, "1") == ["0"] and acting_layers_below(model, "1")
+    model.eval()
+    x = torch.randn(3, 16, dtype=torch.float64)
+    assert torch.equal(model[0](x), x)  # what the rule relies on
+    assert not random_masks_below(model, "1") and not acting_layers_below(model, "1")
 
 
 def test_pass_through_modules_leave_the_first_layer_first():

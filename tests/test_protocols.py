@@ -214,6 +214,31 @@ def test_fedavg_replay_refuses_what_it_cannot_confirm(mnist):
     assert not rec.verified and "not searched" in rec.message
 
 
+def test_replay_refuses_a_layer_whose_inputs_are_not_the_data(mnist):
+    """The replay feeds the recovered inputs to the model: a CNN's feature layer or a Linear behind
+    a training Dropout recovers features, which used to crash inside torch (unflatten)."""
+    from torch import nn
+
+    from spear.fl.models import small_cnn
+    from spear.fl.replay import certify_by_replay, first_linear, replay_accepts
+
+    protocol = FedAvg(epochs=1, batch_size=None, lr=0.1)
+    conv = small_cnn(mnist.image_shape, classes=mnist.classes, seed=0)
+    view, _ = simulate_round(conv, mnist, 4, protocol, seed=0)
+    with pytest.raises(InputError, match=r"replay certificate .* features, not the data"):
+        protocol.attack_options(view.model, view.gradients)
+    layer = dict(conv.named_modules())[first_linear(conv)]
+    features = torch.rand(4, layer.in_features, dtype=torch.float64)  # what its attack would give
+    columns = torch.randn(layer.out_features, 4, dtype=torch.float64)
+    with pytest.raises(InputError, match="must be the model's input"):
+        certify_by_replay(view.model, view.gradients, protocol, features, columns)
+    dropped = nn.Sequential(nn.Dropout(0.2), nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2)).train()
+    with pytest.raises(InputError, match="training mode"):
+        replay_accepts(dropped, {}, protocol)
+    with pytest.raises(InputError, match=r"no nn\.Linear"):
+        first_linear(nn.Sequential(nn.ReLU()))
+
+
 def test_replay_refuses_a_batch_with_one_sample_slightly_off(mnist):
     from spear.fl.replay import certify_by_replay
 

@@ -28,6 +28,7 @@ from spear.fl import (
     pretrain,
     simulate_round,
 )
+from spear.fl.replay import replay_layer
 from spear.inversion import Inversion, InversionSettings, RowSpaceInverter, invert_to_inputs
 from spear.inversion.base import acting_layers_below
 
@@ -160,6 +161,8 @@ def prepare_model(settings: ExperimentSettings, dataset: Dataset) -> tuple[torch
             f"--layer {layer} (a hidden layer) is supported for --protocol fedsgd; {settings.protocol} "
             "certifies through the first layer"
         )
+    if settings.protocol == "fedavg":
+        replay_layer(model, layer)  # the replay certificate needs the data at this layer
     if settings.pretrain_steps:
         pretrain(model, dataset, settings.pretrain_steps, seed=settings.seed)
     return model, layer, layers[layer]

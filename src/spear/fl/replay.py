@@ -31,7 +31,9 @@ from torch import nn
 
 from spear.core.consistency import Tolerances
 from spear.core.result import Reconstruction
+from spear.errors import InputError
 from spear.fl.protocols.fedavg import FedAvg, local_sgd
+from spear.inversion.base import check_takes_the_data
 
 #: a step's samples fit their per-sample gradient at that step to this (relative; the recovered
 #: columns are exact to the attack's precision) ...
@@ -60,8 +62,28 @@ class ReplayCertificate:
 
 
 def first_linear(model: nn.Module) -> str:
-    """The name of the model's first ``nn.Linear`` (the layer whose inputs are the data)."""
-    return next(name for name, mod in model.named_modules() if isinstance(mod, nn.Linear))
+    """The name of the model's first ``nn.Linear`` (in an MLP, the layer whose inputs are the data)."""
+    name = next((name for name, mod in model.named_modules() if isinstance(mod, nn.Linear)), None)
+    if name is None:
+        raise InputError(f"the model ({type(model).__name__}) has no nn.Linear: SPEAR attacks a Linear layer")
+    return name
+
+
+def replay_layer(model: nn.Module, layer: str | None = None) -> str:
+    """The layer whose recovered inputs the replay feeds to the model: ``layer``, by default the
+    model's first Linear. A clear error unless its inputs are the data (only pass-through modules
+    below it): the replay redoes the client's training from them, and a CNN's feature layer or
+    a Linear behind a training-mode Dropout sees features, not the model's input."""
+    layer = layer or first_linear(model)
+    check_takes_the_data(
+        model,
+        layer,
+        "FedAvg's replay certificate redoes the client's local training on the recovered inputs, so "
+        "they must be the model's input",
+        "Attack FedAvg updates of a model whose first Linear takes the data (an MLP or a tabular "
+        "model), or attack this layer's update with certify=False (nothing is then certified)",
+    )
+    return layer
 
 
 def layer_gradients(model: nn.Module, layer: str, inputs: torch.Tensor, classes: int) -> torch.Tensor:
@@ -133,7 +155,7 @@ def certify_by_replay(
     """Certify recovered inputs (b, n) with their columns (m, b) of the attacked first layer
     by replaying ``protocol``'s local training on ``model`` (see the module doc); ``layer``
     defaults to the model's first Linear."""
-    layer = layer or first_linear(model)
+    layer = replay_layer(model, layer)
     b = inputs.shape[0]
     dtype = next(model.parameters()).dtype
     x, u = inputs.to(dtype), grad_outputs.T.to(dtype)
@@ -305,6 +327,7 @@ def replay_accepts(
     model: nn.Module, update: dict[str, torch.Tensor], protocol: FedAvg, layer: str | None = None
 ) -> Callable[[torch.Tensor, torch.Tensor], bool]:
     """A ``stop_when`` check for the attack: does the replay certify this batch?"""
+    layer = replay_layer(model, layer)
     rtol = replay_tolerance(model, update, protocol)
 
     def accepts(inputs: torch.Tensor, grad_outputs: torch.Tensor) -> bool:

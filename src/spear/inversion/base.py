@@ -12,17 +12,20 @@ from torch import nn
 from spear.core.result import Reconstruction
 from spear.errors import InputError
 
-#: modules that leave a Linear layer's (batch, features) output as it is (a Dropout as in eval
+#: every kind of dropout: the identity in eval mode (or with p = 0), a random mask in training
+DROPOUTS = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout, nn.FeatureAlphaDropout)
+#: modules that leave a Linear layer's (batch, features) output as it is (a dropout as in eval
 #: mode; :func:`acting_layers_below` asks :func:`changes_data` for the mode the model is in)
-PASS_THROUGH = (nn.Identity, nn.Flatten, nn.Dropout)
+PASS_THROUGH = (nn.Identity, nn.Flatten, *DROPOUTS)
 
 
 def changes_data(module: nn.Module) -> bool:
     """Whether ``module`` changes what passes through it: anything but the pass-through modules,
-    and a Dropout in training mode (``p > 0``), whose random mask and 1 / (1 - p) scale a client
-    training with it applies to what the next layer sees; that layer's inputs are then not the
-    data (the mask is not in the server's view), so nothing recovered there is the data."""
-    if isinstance(module, nn.Dropout):
+    and a dropout in training mode (``p > 0``), whose random mask and 1 / (1 - p) scale (alpha
+    dropout: affine) a client training with it applies to what the next layer sees; that layer's
+    inputs are then not the data (the mask is not in the server's view), so nothing recovered
+    there is the data. Every kind of dropout is the identity in eval mode."""
+    if isinstance(module, DROPOUTS):
         return module.training and module.p > 0
     return not isinstance(module, PASS_THROUGH)
 
@@ -110,7 +113,7 @@ def acting_layers_below(model: nn.Module, layer: str) -> list[tuple[str, nn.Modu
 def random_masks_below(model: nn.Module, layer: str) -> list[str]:
     """The Dropouts below ``layer`` that are in training mode (:func:`changes_data`): their
     masks are drawn by the client and are not in the server's view."""
-    return [name for name, m in layers_below(model, layer) if isinstance(m, nn.Dropout) and changes_data(m)]
+    return [name for name, m in layers_below(model, layer) if isinstance(m, DROPOUTS) and changes_data(m)]
 
 
 def check_no_random_masks(model: nn.Module, layer: str, what: str) -> None:

@@ -148,6 +148,8 @@ def test_a_training_dropout_hides_the_data():
         lambda: invert_to_inputs(model, "1", {}, None, image_shape=(1, 4, 4), to_inputs=lambda x: x),
         lambda: inverter(model, "1", {}, None),
         lambda: _check_first_layer(model, "1", "sample_weights"),
+        # nor is a second forward pass (other masks) the ground truth the evaluation scores against
+        lambda: layer_inputs(model, "1", torch.zeros(2, 16, dtype=torch.float64)),
     ):
         with pytest.raises(spear.InputError, match=r"Dropout \['0'\] .* training mode.*model.eval\(\)"):
             attempt()

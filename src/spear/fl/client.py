@@ -12,6 +12,7 @@ from torch import nn
 from spear.data.base import ImageDataset, sample_batch
 from spear.errors import InputError
 from spear.fl.protocols.base import Protocol
+from spear.inversion.base import check_no_random_masks
 
 
 @dataclass
@@ -46,10 +47,13 @@ def fedsgd_gradients(model: nn.Module, inputs: torch.Tensor, labels: torch.Tenso
 
 def layer_inputs(model: nn.Module, layer: str, inputs: torch.Tensor) -> torch.Tensor:
     """What the module ``layer`` of ``model`` saw when the client ran ``inputs`` through it: the
-    ground truth an attack on a later or a feature layer recovers (evaluation code only)."""
+    ground truth an attack on a later or a feature layer recovers (evaluation code only). A
+    training-mode dropout below ``layer`` is refused: this forward pass would draw other masks
+    than the client's, and call them the truth."""
     modules = dict(model.named_modules())
     if layer not in modules:
         raise InputError(f"model has no module named {layer!r}")
+    check_no_random_masks(model, layer, "the inputs layer_inputs would replay")
     seen: list[torch.Tensor] = []
     hook = modules[layer].register_forward_hook(lambda module, args, output: seen.append(args[0]))
     try:

@@ -79,6 +79,20 @@ def test_float32_trained_columns_straddling_the_threshold_are_all_found(mnist):
     assert_labels(rec, inputs, labels)
 
 
+def test_last_dense_columns_are_probed_for_in_the_residual_problem(mnist):
+    # the same network at seed 7: 62 samples peel within 5k proposals and the pool holds 67
+    # directions (mixtures, peeled columns), but the last two columns, the batch's densest
+    # (198 zeros), are below the threshold of 202. The stall probe waited for fewer than b in
+    # the pool, so it never came: 62 of 64 after 43M proposals. It now looks at the residual
+    # problem's own directions (17k proposals)
+    model = trained_mlp(mnist, seed=7, dtype=torch.float32)
+    rec, inputs, labels = attack(model, "0", mnist, 64, seed=7, max_proposals=1_000_000)
+    assert rec.verified, rec.message
+    assert any("threshold was lowered" in note for note in rec.notes)
+    assert_exact(rec.inputs.to(inputs.dtype), inputs, rtol=1e-3)
+    assert_labels(rec, inputs, labels)
+
+
 def test_float32_trained_hidden_layer_peels_to_the_end(mnist):
     # layer 2 (inputs are ReLU features) of the 6-layer MLP after 200 steps, float32: its
     # columns are denser than the threshold assumes and correlated (two samples share 136 zero

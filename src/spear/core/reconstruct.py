@@ -898,7 +898,7 @@ class _Attack:
         # directions sparser than a dense column's but below the threshold, dropped since the
         # last progress: the evidence the probe looks for may be there, so look soon
         patience = PROBE_AFTER_CALLS if self.sparse_drop > self.last_progress else STALL_CALLS
-        if self.adapted or len(self.pool) >= s.b or self.calls - self.last_progress < patience:
+        if self.adapted or not self._lacks_directions() or self.calls - self.last_progress < patience:
             return
         self.adapted = True
         ctx = self.search.ctx
@@ -913,6 +913,18 @@ class _Attack:
         if self.search.basis is not None:
             snapped = lift(snapped, self.search.basis)
         self._absorb(snapped.select(snapped.zero_counts >= s.threshold))
+
+    def _lacks_directions(self) -> bool:
+        """Whether the problem searched now has fewer directions in hand than samples: the pool
+        on the whole layer; on a residual problem its own (trusted, unpeeled) directions. The
+        pool's size alone would not do there: mixtures and the peeled samples' directions fill
+        it past b while the last samples' columns, the densest, are all below the threshold
+        (a trained float32 MLP, b = 64: 62 peeled, 67 in the pool, the last two columns with
+        198 zeros under a threshold of 202, and no probe for the rest of the budget)."""
+        ctx = self.search.ctx
+        if self.search.basis is None:
+            return len(self.pool) < self.setup.b
+        return (0 if ctx.found is None else int(ctx.found.shape[0])) < ctx.batch_size
 
     def _adapt_threshold(self, threshold: int, sparsest: int, rows: int) -> None:
         """Lower the sparsity filter's threshold for columns sparser than Section 4.1 assumes

@@ -175,6 +175,13 @@ def test_every_kind_of_dropout_passes_the_data_only_in_eval_mode(kind):
     x = torch.randn(3, 16, dtype=torch.float64)
     assert torch.equal(model[0](x), x)  # what the rule relies on
     assert not random_masks_below(model, "1") and not acting_layers_below(model, "1")
+    # between a ReLU and a Linear: a multiplying mask keeps the ReLU's zeros (input sparsity),
+    # an alpha dropout in training mode moves them to a nonzero constant
+    head = nn.Sequential(nn.Linear(16, 30), nn.ReLU(), getattr(nn, kind)(0.3), nn.Linear(30, 5)).double()
+    alpha = "Alpha" in kind
+    assert ("3" in attackable_layers(head)) is not alpha
+    head.eval()
+    assert attackable_layers(head) == {"0": "output", "3": "input"}
 
 
 def test_pass_through_modules_leave_the_first_layer_first():

@@ -219,9 +219,14 @@ def test_replay_refuses_a_layer_whose_inputs_are_not_the_data(mnist):
     a training Dropout recovers features, which used to crash inside torch (unflatten)."""
     from torch import nn
 
+    from spear.experiments.run import ExperimentSettings, prepare_model
     from spear.fl.models import small_cnn
     from spear.fl.replay import certify_by_replay, first_linear, replay_accepts
 
+    # the experiments refuse before they simulate a round (not after, in the attack's options)
+    settings = ExperimentSettings(batch_size=4, model="cnn", protocol="fedavg", width=64)
+    with pytest.raises(InputError, match=r"replay certificate .* features, not the data"):
+        prepare_model(settings, mnist)
     protocol = FedAvg(epochs=1, batch_size=None, lr=0.1)
     conv = small_cnn(mnist.image_shape, classes=mnist.classes, seed=0)
     view, _ = simulate_round(conv, mnist, 4, protocol, seed=0)

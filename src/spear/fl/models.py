@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from spear.errors import InputError
-from spear.inversion.base import PASS_THROUGH
+from spear.inversion.base import PASS_THROUGH, keeps_zeros
 
 
 def _kaiming(layer: nn.Linear) -> None:
@@ -254,14 +254,16 @@ def attackable_layers(model: nn.Module) -> dict[str, str]:
     """Every ``nn.Linear`` of a (nested) sequential model with a ReLU on either side, mapped to
     the sparsity SPEAR uses there: "output" when a ReLU follows it (dL/dZ sparse, the paper's
     case), else "input" when a ReLU precedes it (its inputs are sparse; e.g. the output layer).
-    Layers with neither are left out: SPEAR has no sparsity to work with there."""
+    Layers with neither are left out: SPEAR has no sparsity to work with there. An alpha
+    dropout in training mode between a ReLU and the Linear moves the ReLU's zeros
+    (:func:`~spear.inversion.base.keeps_zeros`): no input sparsity there."""
     leaves = [(name, m) for name, m in model.named_modules() if next(m.children(), None) is None]
     out: dict[str, str] = {}
     for i, (name, module) in enumerate(leaves):
         if not isinstance(module, nn.Linear):
             continue
         after = next((m for _, m in leaves[i + 1 :] if not isinstance(m, PASS_THROUGH)), None)
-        before = next((m for _, m in reversed(leaves[:i]) if not isinstance(m, PASS_THROUGH)), None)
+        before = next((m for _, m in reversed(leaves[:i]) if not keeps_zeros(m)), None)
         if isinstance(after, nn.ReLU):
             out[name] = "output"
         elif isinstance(before, (nn.ReLU, nn.MaxPool2d)):

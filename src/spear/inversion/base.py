@@ -19,6 +19,15 @@ DROPOUTS = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropou
 PASS_THROUGH = (nn.Identity, nn.Flatten, *DROPOUTS)
 
 
+def keeps_zeros(module: nn.Module) -> bool:
+    """Whether ``module`` leaves the zeros of what passes through it in place (a ReLU's, for
+    the input side of the next Linear): the pass-through modules in either mode but an alpha
+    dropout in training mode, which maps a zero to a nonzero constant where it drops it."""
+    if isinstance(module, (nn.AlphaDropout, nn.FeatureAlphaDropout)):
+        return not changes_data(module)
+    return isinstance(module, PASS_THROUGH)
+
+
 def changes_data(module: nn.Module) -> bool:
     """Whether ``module`` changes what passes through it: anything but the pass-through modules,
     and a dropout in training mode (``p > 0``), whose random mask and 1 / (1 - p) scale (alpha

@@ -244,6 +244,24 @@ def test_replay_refuses_a_layer_whose_inputs_are_not_the_data(mnist):
         first_linear(nn.Sequential(nn.ReLU()))
 
 
+def test_replay_refuses_an_update_without_every_parameter():
+    """An empty or partial update used to stop the replay with a bare StopIteration or KeyError."""
+    from spear.fl.replay import certify_by_replay, replay_accepts, replay_tolerance
+
+    model = fully_connected(20, 16, 3, seed=0, dtype=torch.float64)
+    protocol = FedAvg(epochs=1, batch_size=None, lr=0.1)
+    with pytest.raises(InputError, match=r"the update lacks \['0.weight'"):
+        replay_tolerance(model, {}, protocol)
+    with pytest.raises(InputError, match="the update lacks"):
+        protocol.attack_options(model, {})
+    partial = {name: torch.zeros_like(p) for name, p in model.named_parameters() if name != "4.bias"}
+    with pytest.raises(InputError, match=r"lacks \['4.bias'\]"):
+        replay_accepts(model, partial, protocol)
+    wrong = {**partial, "4.bias": torch.zeros(3, dtype=torch.float64)}
+    with pytest.raises(InputError, match=r"'4.bias' is \(3,\), the model's parameter is \(10,\)"):
+        certify_by_replay(model, wrong, protocol, torch.zeros(2, 20), torch.zeros(16, 2))
+
+
 def test_replay_refuses_a_batch_with_one_sample_slightly_off(mnist):
     from spear.fl.replay import certify_by_replay
 

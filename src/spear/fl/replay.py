@@ -156,6 +156,7 @@ def certify_by_replay(
     by replaying ``protocol``'s local training on ``model`` (see the module doc); ``layer``
     defaults to the model's first Linear."""
     layer = replay_layer(model, layer)
+    check_update(model, update)
     b = inputs.shape[0]
     dtype = next(model.parameters()).dtype
     x, u = inputs.to(dtype), grad_outputs.T.to(dtype)
@@ -310,11 +311,29 @@ ROUNDING_SLACK = 10.0
 REPLAY_RTOL_CAP = 1e-2
 
 
+def check_update(model: nn.Module, update: dict[str, torch.Tensor]) -> None:
+    """Raise :class:`InputError` unless ``update`` holds a tensor of the right shape for every
+    parameter of ``model`` (the replay compares all of them)."""
+    params = dict(model.named_parameters())
+    missing = [name for name in params if name not in update]
+    if missing:
+        raise InputError(
+            f"the update lacks {missing} (has {sorted(update)}); the replay needs one tensor per "
+            "parameter of the model, named as in model.named_parameters()"
+        )
+    for name, p in params.items():
+        value = update[name]
+        if not isinstance(value, torch.Tensor) or value.shape != p.shape:
+            got = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
+            raise InputError(f"the update's {name!r} is {got}, the model's parameter is {tuple(p.shape)}")
+
+
 def replay_tolerance(model: nn.Module, update: dict[str, torch.Tensor], protocol: FedAvg) -> float:
     """Relative tolerance of a replayed update: the dtype's verification tolerance, or the
     rounding floor of ``(W_before - W_after) / lr`` if that is larger. The subtraction cancels:
     each entry keeps about ``eps |W| / (lr |update|)`` of relative precision (float32 weights
     of 0.05 and steps of 1e-4 leave 3 digits), for the client and the replay alike."""
+    check_update(model, update)
     dtype = next(iter(update.values())).dtype
     eps = torch.finfo(dtype).eps
     weights = sum(float(p.detach().double().pow(2).sum()) for p in model.parameters()) ** 0.5

@@ -112,6 +112,44 @@ def test_next_layer_proposer_stops_at_the_deadline():
     assert late.n_drawn == 0 and late.directions.shape[0] == 0
 
 
+def test_next_layer_zero_sets_are_not_prepared_past_the_deadline():
+    """One SVD per distinct zero set of the next layer: at m = 4000, b = 200 they took 3.4 s and
+    ran a 3 s budget to 7.1 s before the first proposal."""
+    _, problem, *_ = _client(40, 400)
+    assert NextLayerProposer().has_zero_sets(_context(problem, NEVER))
+    late = NextLayerProposer()
+    assert not late.has_zero_sets(_context(problem, PASSED)) and late.zero_sets == []
+
+
+def test_the_time_budget_counts_from_the_call(monkeypatch):
+    """Checking the inputs and building the model's certificate come before the attack's own
+    setup (0.9 s and 0.6 s at m = 4000): the budget counts them. A fake clock jumps 100 s while
+    the certifier is built; a 50 s budget is then spent before the first proposal."""
+    import spear.api
+    from spear.fl import fedsgd_gradients, fully_connected
+
+    model = fully_connected(40, 60, 3, seed=0, dtype=torch.float64)
+    x = torch.randn(8, 40, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    grads = fedsgd_gradients(model, x, torch.arange(8))
+    clock = {"offset": 0.0}
+    real_clock, real_certifier = time.perf_counter, spear.api.ModelCertifier
+
+    def slow_certifier(*args, **kwargs):
+        clock["offset"] += 100.0
+        return real_certifier(*args, **kwargs)
+
+    monkeypatch.setattr(time, "perf_counter", lambda: real_clock() + clock["offset"])
+    monkeypatch.setattr(spear.api, "ModelCertifier", slow_certifier)
+    late = spear.attack_layer(model, "0", grads, time_budget=50.0, seed=0)
+    assert late.stats.stop_reason == "time budget" and late.stats.proposals == 0 and not late.verified
+    on_time = spear.attack_layer(model, "0", grads, time_budget=500.0, seed=0)
+    assert on_time.verified and on_time.stats.stop_reason != "time budget"
+    started = real_clock() + clock["offset"] - 1000.0  # reconstruct takes the start it is given
+    rec = spear.reconstruct(*[model[0].weight, model[0].bias, grads["0.weight"], grads["0.bias"]],
+                            time_budget=50.0, _clock_start=started, seed=0)  # fmt: skip
+    assert rec.stats.stop_reason == "time budget" and rec.stats.proposals == 0
+
+
 def test_irls_proposer_stops_at_the_deadline():
     """One IRLS call refines 64 starts over 80 iterations: 2.4 s at m = 500, b = 64 in input
     mode, which ran an attack 1.6 s past a 30 s budget (realism matrix). Past the deadline the

@@ -133,10 +133,13 @@ def test_time_budget_stops(monkeypatch):
     # a clock that advances 0.1 s per reading: the test does not depend on the machine's speed
     from types import SimpleNamespace
 
+    import spear.api
     import spear.core.reconstruct as core
 
     ticks = itertools.count()
-    monkeypatch.setattr(core, "time", SimpleNamespace(perf_counter=lambda: 0.1 * next(ticks)))
+    clock = SimpleNamespace(perf_counter=lambda: 0.1 * next(ticks))
+    monkeypatch.setattr(core, "time", clock)
+    monkeypatch.setattr(spear.api, "time", clock)  # the budget counts from the call
     client = make_client(22, width=200, seed=18)
     rec = spear.reconstruct(*client.layer_args(), time_budget=0.5, chunk_size=256, proposer="sampling")
     assert rec.stats.stop_reason == "time budget" and not rec.verified

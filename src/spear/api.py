@@ -11,6 +11,7 @@ import math
 import numbers
 import os
 import sys
+import time
 import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
@@ -37,6 +38,10 @@ _OPTION_NAMES = {f.name for f in dataclasses.fields(AttackOptions)}
 #: a sample is saturated when its gradient changes by at most this many eps (of the gradient's
 #: dtype) per relative change of its pre-activations (see spear.certify.ModelCertifier)
 SATURATION_EPS = 1e3
+
+
+#: a private option: when the call began (``time.perf_counter()``), for the time budget
+_CLOCK = "_clock_start"
 
 
 def _as_tensor(name: str, value: Any) -> torch.Tensor:
@@ -265,6 +270,8 @@ def reconstruct(
         >>> rec = spear.reconstruct(layer.weight, layer.bias, layer.weight.grad, layer.bias.grad)
         >>> rec.verified, rec.inputs.shape
     """
+    started = options.pop(_CLOCK, None)
+    started = time.perf_counter() if started is None else started  # the time budget counts from here
     opts = build_options(options)
     device = _resolve_device(opts.device)
     W = _as_tensor("weight", weight)
@@ -328,6 +335,7 @@ def reconstruct(
         next_gw,
         next_w,
         certifier,
+        started,
     )
 
 
@@ -378,6 +386,7 @@ def attack_layer(
     Raises:
         NoSparsityError: the model shows a non-ReLU activation right after the layer.
     """
+    options.setdefault(_CLOCK, time.perf_counter())  # building the model's certifier counts too
     modules = dict(model.named_modules())
     if layer not in modules:
         linear = [name for name, mod in modules.items() if isinstance(mod, torch.nn.Linear)]

@@ -177,8 +177,11 @@ class AttackSetup:
         source_dtype: torch.dtype,
         next_grad_weight: torch.Tensor | None,
         next_weight: torch.Tensor | None,
+        start: float | None = None,
     ) -> AttackSetup:
-        start = time.perf_counter()
+        """``start``: when the time budget began (``time.perf_counter()``); now by default. The
+        API passes the moment it was called, so that checking and casting the inputs count."""
+        start = time.perf_counter() if start is None else start
         rows = layer.grad_weight.norm(dim=1)
         live = rows > DEAD_ROW_RTOL * rows.max()
         live_inputs = torch.ones(layer.grad_weight.shape[1], dtype=torch.bool, device=live.device)
@@ -1188,15 +1191,16 @@ def run_attack(
     next_grad_weight: torch.Tensor | None = None,
     next_weight: torch.Tensor | None = None,
     certifier: SampleCertifier | None = None,
+    start: float | None = None,
 ) -> Reconstruction:
     """Run SPEAR on validated float tensors (all in ``options.dtype`` on ``options.device``).
 
     ``next_grad_weight`` (the next linear layer's dL/dW', optional) feeds the next-layer
     proposer and peeling; ``next_weight`` (its W', optional) peeling's residual next-layer
     gradient; ``certifier`` (optional) checks samples one by one through the rest of the model
-    (:mod:`spear.core.certificate`)."""
+    (:mod:`spear.core.certificate`); ``start`` when the time budget began (now by default)."""
     layer = LayerTensors(weight, bias, grad_weight, grad_bias)
-    setup = AttackSetup.build(layer, options, source_dtype, next_grad_weight, next_weight)
+    setup = AttackSetup.build(layer, options, source_dtype, next_grad_weight, next_weight, start)
     if setup.b == 1:
         return _single_sample(setup, ModelGate(certifier))
     return _Attack(setup, certifier).run()

@@ -583,3 +583,18 @@ def test_a_step_past_the_deadline_keeps_its_certified_samples_and_stops_there(mo
     monkeypatch.setattr(reconstruct._Attack, "_peel", lambda self, snapped: None)
     attack._absorb(snapped)  # before the deadline the same step pools and selects
     assert len(attack.pool) == b and selected == [None]
+
+
+def test_samples_without_step_5_never_pair_next_layer_rows_with_the_wrong_samples():
+    from spear.core.peeling import PeeledSamples
+
+    one = torch.ones(1, 4, dtype=torch.float64)
+    with_step5 = PeeledSamples(one, one, one, one, torch.ones(1, 3, dtype=torch.float64))
+    without = PeeledSamples(one, one, one, one, None)
+    both = PeeledSamples.empty(4, 4, torch.float64, "cpu", next_width=3)
+    both.extend(with_step5)
+    assert both.next_grad_outputs is not None and both.next_grad_outputs.shape == (1, 3)
+    both.extend(PeeledSamples.empty(4, 4, torch.float64, "cpu"))  # nothing added: kept
+    assert both.next_grad_outputs is not None and both.next_grad_outputs.shape == (1, 3)
+    both.extend(without)
+    assert len(both) == 2 and both.next_grad_outputs is None  # was (1, 3) beside 2 samples

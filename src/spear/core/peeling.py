@@ -135,6 +135,11 @@ class PeeledSamples:
         self.strong = torch.cat([self.strong, other.strong])
         if self.next_grad_outputs is not None and other.next_grad_outputs is not None:
             self.next_grad_outputs = torch.cat([self.next_grad_outputs, other.next_grad_outputs])
+        elif len(other):
+            # samples without step 5 (the singleton cascade's): the list keeps none, so the
+            # residual next-layer gradient keeps every sample's terms (its zeros stay exact)
+            # instead of pairing step-5 rows with the wrong samples
+            self.next_grad_outputs = None
 
     def select(self, keep: torch.Tensor) -> PeeledSamples:
         nxt = None if self.next_grad_outputs is None else self.next_grad_outputs[keep]

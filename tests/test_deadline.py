@@ -119,6 +119,8 @@ def test_next_layer_zero_sets_are_not_prepared_past_the_deadline():
     assert NextLayerProposer().has_zero_sets(_context(problem, NEVER))
     late = NextLayerProposer()
     assert not late.has_zero_sets(_context(problem, PASSED)) and late.zero_sets == []
+    # cut short, it has not run dry: the run stops for its time budget, not as "exhausted"
+    assert not NextLayerProposer().propose(_context(problem, PASSED), 10_000).exhausted
 
 
 def test_the_time_budget_counts_from_the_call(monkeypatch):

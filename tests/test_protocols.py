@@ -260,6 +260,11 @@ def test_replay_refuses_an_update_without_every_parameter():
     wrong = {**partial, "4.bias": torch.zeros(3, dtype=torch.float64)}
     with pytest.raises(InputError, match=r"'4.bias' is \(3,\), the model's parameter is \(10,\)"):
         certify_by_replay(model, wrong, protocol, torch.zeros(2, 20), torch.zeros(16, 2))
+    with pytest.raises(InputError, match="must be a dict parameter name -> tensor"):
+        replay_tolerance(model, [p.detach() for p in model.parameters()], protocol)
+    integer = {**partial, "4.bias": torch.zeros(10, dtype=torch.long)}
+    with pytest.raises(InputError, match="holds torch.int64; it must be floating point"):
+        replay_tolerance(model, integer, protocol)
 
 
 def test_replay_refuses_a_batch_with_one_sample_slightly_off(mnist):

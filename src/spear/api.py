@@ -271,7 +271,9 @@ def reconstruct(
         >>> rec.verified, rec.inputs.shape
     """
     started = options.pop(_CLOCK, None)
-    started = time.perf_counter() if started is None else started  # the time budget counts from here
+    if started is not None and not (isinstance(started, numbers.Real) and started <= time.perf_counter()):
+        raise InputError(f"{_CLOCK} is a time.perf_counter() reading already past, got {started!r}")
+    started = time.perf_counter() if started is None else float(started)  # the budget counts from here
     opts = build_options(options)
     device = _resolve_device(opts.device)
     W = _as_tensor("weight", weight)

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -314,6 +314,11 @@ REPLAY_RTOL_CAP = 1e-2
 def check_update(model: nn.Module, update: dict[str, torch.Tensor]) -> None:
     """Raise :class:`InputError` unless ``update`` holds a tensor of the right shape for every
     parameter of ``model`` (the replay compares all of them)."""
+    if not isinstance(update, Mapping):
+        raise InputError(
+            f"the update must be a dict parameter name -> tensor (model.named_parameters() names), "
+            f"got {type(update).__name__}"
+        )
     params = dict(model.named_parameters())
     missing = [name for name in params if name not in update]
     if missing:
@@ -326,6 +331,8 @@ def check_update(model: nn.Module, update: dict[str, torch.Tensor]) -> None:
         if not isinstance(value, torch.Tensor) or value.shape != p.shape:
             got = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
             raise InputError(f"the update's {name!r} is {got}, the model's parameter is {tuple(p.shape)}")
+        if not value.is_floating_point():
+            raise InputError(f"the update's {name!r} holds {value.dtype}; it must be floating point")
 
 
 def replay_tolerance(model: nn.Module, update: dict[str, torch.Tensor], protocol: FedAvg) -> float:

@@ -263,7 +263,7 @@ def test_replay_refuses_an_update_without_every_parameter():
     with pytest.raises(InputError, match="must be a dict parameter name -> tensor"):
         replay_tolerance(model, [p.detach() for p in model.parameters()], protocol)
     integer = {**partial, "4.bias": torch.zeros(10, dtype=torch.long)}
-    with pytest.raises(InputError, match="holds torch.int64; it must be floating point"):
+    with pytest.raises(InputError, match=r"holds torch\.int64; it must be floating point"):
         replay_tolerance(model, integer, protocol)
 
 

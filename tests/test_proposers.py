@@ -365,7 +365,7 @@ class _Stub(DirectionProposer):
         return ProposalBatch(torch.empty(0, ctx.batch_size), n_drawn=1)
 
 
-def test_auto_keeps_a_finder_and_passes_a_stalled_turn_at_the_next_proposers_pace(monkeypatch):
+def test_auto_shares_compute_among_stalled_proposers_and_keeps_a_finder(monkeypatch):
     from types import SimpleNamespace
 
     monkeypatch.setattr("spear.core.proposers.auto.CALL_OVERHEAD", 0.0)  # the stubs' costs only
@@ -382,16 +382,13 @@ def test_auto_keeps_a_finder_and_passes_a_stalled_turn_at_the_next_proposers_pac
     )
     auto = AutoProposer()
     auto.neurons, auto.guided, auto.recovery = _Stub("n", 1.0, finds=5), _Stub("g", 10.0), _Stub("r", 100.0)
-    for _ in range(5 + 10 + 10 + 1):
+    for _ in range(5 + 100 + 10 + 1):
         auto.propose(ctx, 10**6)
-    # the finder kept the turn for its 5 finds; then each stalled proposer spent one call of the
-    # next one's cost: neurons 10 x 1 (guided's 10), guided 10 x 10 (recovery's 100), recovery
-    # 1 x 100 (neurons' 1). The cheap one used to wait for the most expensive one's 100 units:
-    # 124 fruitless next-layer calls (13 s) in a float32 MLP trained 500 steps, m = 1000, b = 128
-    assert (auto.neurons.calls, auto.guided.calls, auto.recovery.calls) == (15, 10, 1)
-    for _ in range(10 + 10 + 1):
+    # the finder kept the turn for its 5 finds, then each stalled proposer spent ~100 units
+    assert auto.neurons.calls == 5 + 100 and auto.guided.calls == 10 and auto.recovery.calls == 1
+    for _ in range(100 + 10 + 1):
         auto.propose(ctx, 10**6)
-    assert (auto.neurons.calls, auto.guided.calls, auto.recovery.calls) == (25, 20, 2)
+    assert auto.neurons.calls == 205 and auto.guided.calls == 20 and auto.recovery.calls == 2
 
 
 def test_auto_uses_complement_guided_sampling_for_small_batches():

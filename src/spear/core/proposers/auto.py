@@ -30,9 +30,8 @@ class AutoProposer(DirectionProposer):
       which took the sampler 9M proposals (MNIST, 6-layer MLP trained 200 steps, layer 2,
       b = 32: 227k with it).
     * Otherwise a rotation, cheapest first, that stays with a proposer while it finds new
-      directions, and moves on once its fruitless calls cost as much as one call of the next
-      proposer in the rotation (:meth:`DirectionProposer.cost`), so stalled proposers pass the
-      turn on at the pace of the one that takes it:
+      directions, and moves on once its fruitless calls cost as much as one call of the most
+      expensive proposer (:meth:`DirectionProposer.cost`), so stalled proposers share compute:
       next-layer zero sets (:class:`NextLayerProposer`, when the next layer's gradient is
       known), neuron-guided sampling (:class:`NeuronGuidedSampler`, approximate inputs from the
       gradient itself), complement-guided sampling (:class:`GuidedSampler`), then ICA + IRLS
@@ -120,11 +119,8 @@ class AutoProposer(DirectionProposer):
         rotation = self._rotation(ctx)
         costs = [p.cost(ctx) + CALL_OVERHEAD for p in rotation]
         # a stalled proposer keeps the turn until it has spent as much work as one call of the
-        # next one in the rotation. It waited for the most expensive one's: a float32 MLP trained
-        # 500 steps (m = 1000, b = 128) held the next-layer proposer for 124 fruitless calls
-        # (13 s), after which neuron-guided sampling found 48 samples in 9 s
-        nxt = costs[(self._current + 1) % len(rotation)]
-        if self._stalled_work > 0 and self._stalled_work >= nxt:
+        # most expensive one: when all stall, each gets the same compute
+        if self._stalled_work > 0 and self._stalled_work >= max(costs):
             self._current += 1
             self._stalled_work = 0.0
         index = self._current % len(rotation)

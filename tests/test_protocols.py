@@ -265,6 +265,9 @@ def test_replay_refuses_an_update_without_every_parameter():
     integer = {**partial, "4.bias": torch.zeros(10, dtype=torch.long)}
     with pytest.raises(InputError, match=r"holds torch\.int64; it must be floating point"):
         replay_tolerance(model, integer, protocol)
+    full = {name: torch.ones_like(p) for name, p in model.named_parameters()}
+    counter_first = {"num_batches_tracked": torch.zeros((), dtype=torch.long), **full}  # a buffer
+    assert replay_tolerance(model, counter_first, protocol) == replay_tolerance(model, full, protocol)
 
 
 def test_replay_refuses_a_batch_with_one_sample_slightly_off(mnist):

@@ -272,7 +272,7 @@ def reconstruct(
     """
     started = options.pop(_CLOCK, None)
     if started is not None and not (isinstance(started, numbers.Real) and started <= time.perf_counter()):
-        raise InputError(f"{_CLOCK} is a time.perf_counter() reading already past, got {started!r}")
+        raise InputError(f"{_CLOCK} must be a time.perf_counter() reading not in the future, got {started!r}")
     started = time.perf_counter() if started is None else float(started)  # the budget counts from here
     opts = build_options(options)
     device = _resolve_device(opts.device)

@@ -126,7 +126,8 @@ def test_next_layer_zero_sets_are_not_prepared_past_the_deadline():
 def test_the_time_budget_counts_from_the_call(monkeypatch):
     """Checking the inputs and building the model's certificate come before the attack's own
     setup (0.9 s and 0.6 s at m = 4000): the budget counts them. A fake clock jumps 100 s while
-    the certifier is built; a 50 s budget is then spent before the first proposal."""
+    the certifier is built and stands still otherwise (no test waits on the real clock): a 50 s
+    budget is then spent before the first proposal, a 500 s one never."""
     import spear.api
     from spear.fl import fedsgd_gradients, fully_connected
 
@@ -134,19 +135,19 @@ def test_the_time_budget_counts_from_the_call(monkeypatch):
     x = torch.randn(8, 40, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
     grads = fedsgd_gradients(model, x, torch.arange(8))
     clock = {"offset": 0.0}
-    real_clock, real_certifier = time.perf_counter, spear.api.ModelCertifier
+    frozen, real_certifier = time.perf_counter(), spear.api.ModelCertifier
 
     def slow_certifier(*args, **kwargs):
         clock["offset"] += 100.0
         return real_certifier(*args, **kwargs)
 
-    monkeypatch.setattr(time, "perf_counter", lambda: real_clock() + clock["offset"])
+    monkeypatch.setattr(time, "perf_counter", lambda: frozen + clock["offset"])
     monkeypatch.setattr(spear.api, "ModelCertifier", slow_certifier)
     late = spear.attack_layer(model, "0", grads, time_budget=50.0, seed=0)
     assert late.stats.stop_reason == "time budget" and late.stats.proposals == 0 and not late.verified
     on_time = spear.attack_layer(model, "0", grads, time_budget=500.0, seed=0)
     assert on_time.verified and on_time.stats.stop_reason != "time budget"
-    started = real_clock() + clock["offset"] - 1000.0  # reconstruct takes the start it is given
+    started = frozen + clock["offset"] - 1000.0  # reconstruct takes the start it is given
     rec = spear.reconstruct(*[model[0].weight, model[0].bias, grads["0.weight"], grads["0.bias"]],
                             time_budget=50.0, _clock_start=started, seed=0)  # fmt: skip
     assert rec.stats.stop_reason == "time budget" and rec.stats.proposals == 0

@@ -268,6 +268,12 @@ def test_replay_refuses_an_update_without_every_parameter():
     full = {name: torch.ones_like(p) for name, p in model.named_parameters()}
     counter_first = {"num_batches_tracked": torch.zeros((), dtype=torch.long), **full}  # a buffer
     assert replay_tolerance(model, counter_first, protocol) == replay_tolerance(model, full, protocol)
+    # buffers are not replayed, so they do not enter the update's size (a large one once lowered
+    # the rounding floor); the floor is checked against a tiny update, where it dominates
+    tiny = {name: torch.full_like(p, 1e-12) for name, p in model.named_parameters()}
+    stats = {"running_var": torch.full((1000,), 1e3, dtype=torch.float64)}
+    assert replay_tolerance(model, {**tiny, **stats}, protocol) == replay_tolerance(model, tiny, protocol)
+    assert replay_tolerance(model, tiny, protocol) > 1e-6
 
 
 def test_replay_refuses_a_batch_with_one_sample_slightly_off(mnist):

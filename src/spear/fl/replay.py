@@ -341,10 +341,11 @@ def replay_tolerance(model: nn.Module, update: dict[str, torch.Tensor], protocol
     each entry keeps about ``eps |W| / (lr |update|)`` of relative precision (float32 weights
     of 0.05 and steps of 1e-4 leave 3 digits), for the client and the replay alike."""
     check_update(model, update)
-    dtype = update[next(name for name, _ in model.named_parameters())].dtype  # not a buffer's
+    names = [name for name, _ in model.named_parameters()]  # the replay compares these only
+    dtype = update[names[0]].dtype  # not a buffer's
     eps = torch.finfo(dtype).eps
     weights = sum(float(p.detach().double().pow(2).sum()) for p in model.parameters()) ** 0.5
-    size = sum(float(u.double().pow(2).sum()) for u in update.values()) ** 0.5
+    size = sum(float(update[name].double().pow(2).sum()) for name in names) ** 0.5
     floor = eps * weights / (protocol.lr * size) if size > 0 else float("inf")
     return max(Tolerances.for_dtype(dtype).verify_rtol, ROUNDING_SLACK * floor)
 

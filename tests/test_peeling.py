@@ -383,7 +383,7 @@ def test_peeling_refutes_wrong_directions_but_not_true_or_pattern_sharing_ones()
     # past the deadline nothing is checked, so nothing is refuted
     from spear.core.deadline import Deadline
 
-    late = peeler.peel(Qt[:, :4].T, masks, Deadline(0.0))
+    late = _peeler(problem).peel(Qt[:, :4].T, masks, Deadline(0.0))
     assert not bool(late.refuted.any())
 
     shared, dZ = _pattern_sharing_pair(1e-6)
@@ -391,6 +391,34 @@ def test_peeling_refutes_wrong_directions_but_not_true_or_pattern_sharing_ones()
     q = torch.linalg.lstsq(shared.L, dZ[:, :1]).solution.T
     outcome = SamplePeeler(shared, RTOL, 1e-10).peel(q / q.norm(), zero_mask(dZ[:, :1].T, 1e-12))
     assert not bool(outcome.consistent[0]) and not bool(outcome.refuted[0])
+
+
+def test_peeling_does_not_check_a_failed_direction_twice(monkeypatch):
+    """A direction that failed its checks fails them again with the same mask: the peeler
+    remembers it (same verdict, no second check), but not a direction it has not seen on that
+    mask, nor one a deadline kept from being checked."""
+    from spear.core.deadline import Deadline
+
+    _, problem, _, _, Qt = _client(40, 400, seed=1)
+    peeler = _peeler(problem)
+    masks = torch.rand(4, problem.L.shape[0], generator=torch.Generator().manual_seed(3)) < 0.5
+    calls = []
+    certify = SamplePeeler._certify
+    monkeypatch.setattr(
+        SamplePeeler, "_certify", lambda self, q, *a: calls.append(len(q)) or certify(self, q, *a)
+    )
+    late = peeler.peel(Qt[:, :4].T, masks, Deadline(0.0))
+    assert not calls and not bool(late.refuted.any()) and len(peeler.failed) == 0
+    first = peeler.peel(Qt[:, :4].T, masks)
+    assert bool(first.refuted.all()) and sum(calls) == 4 and len(peeler.failed) == 4
+    again = peeler.peel(-2.0 * Qt[:, :4].T, masks)  # the same directions (sign and scale aside)
+    assert sum(calls) == 4 and torch.equal(again.refuted, first.refuted)
+    assert not bool(again.consistent.any())
+    other = peeler.peel(Qt[:, 4:8].T, masks)  # other directions on the same masks: checked
+    assert sum(calls) == 8 and bool(other.refuted.all())
+    # a true direction is consistent, and nothing recorded makes it fail
+    true = peeler.peel(Qt[:, :1].T, zero_mask((problem.L @ Qt[:, :1]).T, 1e-9))
+    assert bool(true.consistent.all())
 
 
 def _attack_on_client(b):

@@ -325,8 +325,10 @@ def test_zero_count_threshold_is_inclusive():
     assert snap_and_filter(split.L, q, mask, zeros + 1, 1e-9).directions.shape[0] == 0
 
 
-def test_greedy_takes_the_best_swap_of_a_sweep():
+def test_greedy_takes_the_best_swap_of_a_sweep(monkeypatch):
     import itertools
+
+    from spear.core import greedy
 
     client = make_client(8, width=200, seed=34)
     *_, split, problem, Qt = layer_problem(client)
@@ -337,6 +339,8 @@ def test_greedy_takes_the_best_swap_of_a_sweep():
     masks = zero_mask(directions @ split.L.T, 1e-9)
     counts = torch.tensor([10_000, 9_999, 9_998] + [100] * 8)
     start = sparsest_basis(directions, counts, 8)
+    more = greedy_filter(problem, directions, masks, counts, max_sweeps=1)
+    monkeypatch.setattr(greedy, "MORE_SWAPS", 0)  # the sweep's best swap alone
     one = greedy_filter(problem, directions, masks, counts, max_sweeps=1)
     best = -1.0
     for pos, new in itertools.product(range(8), range(directions.shape[0])):
@@ -347,6 +351,60 @@ def test_greedy_takes_the_best_swap_of_a_sweep():
         s, *_ = score(problem, directions[trial].T[None], masks[trial][None])
         best = max(best, float(s[0]))
     assert one.sigma == pytest.approx(best, abs=1e-12)
+    # the sweep goes on with the next-ranked swaps that still help: all three impostors go
+    assert best < 1.0 and more.sigma == 1.0 and not {0, 1, 2} & set(more.indices)
+
+
+def test_greedy_resumes_its_swaps_where_the_last_selection_ended(monkeypatch):
+    """``start``: stage 1 with those candidates preferred (after certified ones) is a second
+    starting point, taken when it scores at least as high; from the end of the last climb, one
+    sweep (finding nothing) suffices, where stage 1 climbs again. A start worse than stage 1
+    is not taken, and a start never keeps a certified candidate out."""
+    from spear.core import greedy
+    from spear.core.reconstruct import SweptSelection
+
+    client = make_client(8, width=200, seed=34)
+    *_, split, problem, Qt = layer_problem(client)
+    wrong = [Qt[:, 0] + 0.7 * Qt[:, 1], Qt[:, 2] - 0.4 * Qt[:, 3], Qt[:, 0] + 0.2 * Qt[:, 5]]
+    directions = torch.cat([torch.stack([w / w.norm() for w in wrong]), Qt.T])
+    masks = zero_mask(directions @ split.L.T, 1e-9)
+    counts = torch.tensor([10_000, 9_999, 9_998] + [100] * 8)
+    sweeps = []
+    best_swap = greedy._best_swap
+    monkeypatch.setattr(greedy, "_best_swap", lambda *a, **k: sweeps.append(1) or best_swap(*a, **k))
+    cold = greedy_filter(problem, directions, masks, counts)
+    assert cold.sigma == 1.0 and len(sweeps) >= 1 and not {0, 1, 2} & set(cold.indices)
+    sweeps.clear()
+    warm = greedy_filter(problem, directions, masks, counts, start=list(cold.indices))
+    assert sorted(warm.indices) == sorted(cold.indices) and len(sweeps) == 0  # sigma = 1: no sweep
+    # a worse start (all three impostors and five true columns) is not taken over stage 1
+    worse = [0, 1, 2, 3, 4, 5, 6, 7]
+    sweeps.clear()
+    again = greedy_filter(problem, directions, masks, counts, max_sweeps=0, start=worse)
+    plain = greedy_filter(problem, directions, masks, counts, max_sweeps=0)
+    assert again.indices == plain.indices
+    # certified candidates stay in whatever the start says
+    certified = torch.zeros(directions.shape[0], dtype=torch.bool)
+    certified[3] = True
+    kept = greedy_filter(
+        problem, directions, masks, counts, certified=certified, start=[4, 5, 6, 7, 8, 9, 10, 0]
+    )
+    assert 3 in kept.indices and kept.sigma == 1.0
+
+    # the attack remembers the directions, and finds them again in a pool that has changed
+    class Pool:
+        def __init__(self, d):
+            self.directions = d
+
+        def __len__(self):
+            return self.directions.shape[0]
+
+    memory = SweptSelection()
+    memory.remember(Pool(directions), cold)
+    shuffled = Pool(directions.flip(0) * -1.0)
+    n = directions.shape[0]
+    assert sorted(memory.find(shuffled)) == sorted(n - 1 - i for i in cold.indices)
+    assert memory.find(Pool(directions[:3])) is None
 
 
 def test_rank_one_swap_scores_equal_scoring_each_swap_afresh():

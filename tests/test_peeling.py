@@ -581,6 +581,36 @@ def test_deferred_swaps_run_in_the_next_quiet_step_or_when_the_run_ends(monkeypa
     assert made == [None, None]
 
 
+def test_a_selection_with_swaps_starts_where_the_last_one_ended(monkeypatch):
+    # the swaps of a selection start from where the last selection's swaps ended (found again
+    # in the pool by direction); a selection without swaps (peeling progressed) neither uses
+    # nor moves that memory
+    from spear.core import reconstruct
+    from spear.core.filtering import SnapResult
+
+    attack, _ = _attack_on_client(16)
+    b, rows = 16, attack.setup.problem.sparse_factor.shape[0]
+    starts: list[tuple[int | None, list[int] | None]] = []
+    greedy = reconstruct.greedy_filter
+
+    def recording(*args, **kwargs):
+        starts.append((kwargs["max_sweeps"], kwargs["start"]))
+        return greedy(*args, **kwargs)
+
+    monkeypatch.setattr(reconstruct, "greedy_filter", recording)
+    noise = torch.randn(b + 4, b, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    noise = noise / noise.norm(dim=1, keepdim=True)
+    attack.pool.add(
+        SnapResult(noise, torch.zeros(b + 4, rows, dtype=torch.bool), torch.zeros(b + 4, dtype=torch.long))
+    )
+    attack._select()
+    first = attack.best.indices
+    attack._select(0)
+    attack._select()
+    assert starts[0] == (None, None) and starts[1] == (0, None)
+    assert starts[2][0] is None and sorted(starts[2][1]) == sorted(first)
+
+
 def test_a_step_past_the_deadline_keeps_its_certified_samples_and_stops_there(monkeypatch):
     # the time budget is a promise: once peeling ran past the deadline, the step records what
     # it certified (the result counts it) but pools and selects nothing

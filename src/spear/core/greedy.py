@@ -27,6 +27,8 @@ SWAP_PIVOT_RTOL = 1e-9
 SWAP_CHUNK_ELEMENTS = 2**22
 #: how many of the best-ranked swaps are re-scored exactly before a sweep gives up
 SWAP_RESCORE = 8
+#: how many more of a sweep's ranked swaps are tried, each scored exactly, after its best one
+MORE_SWAPS = 64
 
 
 @dataclass(frozen=True)
@@ -88,17 +90,23 @@ def sparsest_basis(
     b: int,
     certified: torch.Tensor | None = None,
     rank_rtol: float = RANK_RTOL,
+    preferred: torch.Tensor | None = None,
 ) -> list[int] | None:
     """Stage 1: greedily collect the sparsest candidates that raise the rank (Algorithm 3, l. 2-9),
-    certified candidates (samples peeled exactly, :mod:`spear.core.peeling`) first. A candidate
+    certified candidates (samples peeled exactly, :mod:`spear.core.peeling`) first, then the
+    ``preferred`` ones (bool per candidate), then the rest. A candidate
     raises the rank when more than ``rank_rtol`` of it lies outside the span chosen so far: at
     least the angle within which candidates can be copies of one column (the gradient's
     precision, :func:`spear.core.reconstruct.copy_angle`).
 
     Returns b indices, or None when the candidates span fewer than b dimensions."""
     key = zero_counts.to(torch.float64)
-    if certified is not None and key.numel():
-        key = key + certified.to(torch.float64) * (float(key.max()) + 1.0)
+    if key.numel():
+        tier = float(key.max()) + 1.0
+        if preferred is not None:
+            key = key + preferred.to(torch.float64) * tier
+        if certified is not None:
+            key = key + certified.to(torch.float64) * 2 * tier
     order = torch.argsort(key, descending=True, stable=True).tolist()
     basis: list[torch.Tensor] = []
     chosen: list[int] = []
@@ -169,14 +177,63 @@ def _best_swap(
         )
     if ranked is None:
         ranked = _score_sets(problem, directions, masks, sets, certain_zero, z_rtol)[0]
-    order = torch.argsort(ranked.reshape(-1), descending=True, stable=True)
+    flat = ranked.reshape(-1)
+    order = torch.argsort(flat, descending=True, stable=True)
+    taken = None
     for k in order[:SWAP_RESCORE].tolist():
-        if float(ranked.reshape(-1)[k]) <= best_sigma:
+        if float(flat[k]) <= best_sigma:
             return None
         exact = _score_sets(problem, directions, masks, sets[k : k + 1], certain_zero, z_rtol)
         if float(exact[0][0]) > best_sigma:
-            return sets[k], exact
-    return None
+            taken = k, (sets[k], exact)
+            break
+    if taken is None:
+        return None
+    first, chosen = taken
+    return _more_swaps(
+        problem, directions, masks, certain_zero, z_rtol, pos, new, flat, order, first, chosen, best_sigma
+    )
+
+
+def _more_swaps(
+    problem: LayerProblem,
+    directions: torch.Tensor,
+    masks: torch.Tensor,
+    certain_zero: torch.Tensor | None,
+    z_rtol: float,
+    pos: torch.Tensor,
+    new: torch.Tensor,
+    ranked: torch.Tensor,
+    order: torch.Tensor,
+    first: int,
+    chosen: tuple,
+    before: float,
+):
+    """After the sweep's best swap ``first``, the next-ranked swaps that still raise sigma, each
+    at another position with another candidate, applied in rank order and each scored exactly
+    on the set as it stands (at most ``MORE_SWAPS`` tries). The ranking comes from the set
+    before any swap, so it only orders the tries; a sweep then does the work of several (a
+    trained float32 layer climbed from sigma 0.75 to 0.974 in eight sweeps of 2.5 s, one swap
+    each)."""
+    current, scored = chosen
+    sigma = float(scored[0][0])
+    positions, candidates = {int(pos.reshape(-1)[first])}, {int(new.reshape(-1)[first])}
+    tries = 0
+    for k in order.tolist():
+        if tries >= MORE_SWAPS or sigma >= 1.0 or float(ranked[k]) <= before:
+            break
+        p, v = int(pos.reshape(-1)[k]), int(new.reshape(-1)[k])
+        if p in positions or v in candidates:
+            continue
+        tries += 1
+        trial = current.clone()
+        trial[p] = v
+        exact = _score_sets(problem, directions, masks, trial[None], certain_zero, z_rtol)
+        if float(exact[0][0]) > sigma:
+            current, scored, sigma = trial, exact, float(exact[0][0])
+            positions.add(p)
+            candidates.add(v)
+    return current, scored
 
 
 def swap_sigmas(
@@ -242,6 +299,33 @@ def swap_sigmas(
     return out
 
 
+def _resume(
+    problem: LayerProblem,
+    directions: torch.Tensor,
+    masks: torch.Tensor,
+    zero_counts: torch.Tensor,
+    certain_zero: torch.Tensor | None,
+    z_rtol: float,
+    certified: torch.Tensor | None,
+    rank_rtol: float,
+    start: list[int] | None,
+):
+    """Stage 1 preferring the candidates ``start`` after the certified ones: (its indices, its
+    :func:`score`), or None without ``start``, or when it is not a valid (nonsingular,
+    well-scaled) selection."""
+    n = directions.shape[0]
+    if not start:
+        return None
+    preferred = torch.zeros(n, dtype=torch.bool, device=directions.device)
+    preferred[torch.tensor(start, device=directions.device)] = True
+    chosen = sparsest_basis(directions, zero_counts, problem.batch_size, certified, rank_rtol, preferred)
+    if chosen is None:
+        return None
+    current = torch.tensor(chosen, device=directions.device)
+    scored = _score_sets(problem, directions, masks, current[None], certain_zero, z_rtol)
+    return (current, scored) if bool(scored[1][0]) else None
+
+
 def greedy_filter(
     problem: LayerProblem,
     directions: torch.Tensor,
@@ -253,6 +337,7 @@ def greedy_filter(
     z_rtol: float = 0.0,
     deadline: Deadline = NEVER,
     rank_rtol: float = RANK_RTOL,
+    start: list[int] | None = None,
 ) -> Selection | None:
     """Algorithm 3: stage 1, then greedy swaps that maximise sigma. None if rank < b.
 
@@ -261,19 +346,30 @@ def greedy_filter(
     out, so the swaps only search the remaining positions. ``certain_zero`` and ``z_rtol``
     make sigma tolerance-aware (see :func:`score`), ``rank_rtol`` stage 1's rank test (see
     :func:`sparsest_basis`). Past ``deadline`` no further sweep starts: the selection so far is
-    returned."""
+    returned.
+
+    ``start`` (candidate indices, e.g. where the swaps of the last selection ended) gives a
+    second starting point: stage 1 with the certified candidates first, then these. The swaps
+    start from it instead of stage 1's basis when it scores at least as high. A pool that grew
+    by a few candidates, or a sample or two, then costs a sweep or two, not the climb from
+    stage 1 again (a trained float32 layer: eight sweeps of 2.5 s each, per selection)."""
     b = problem.batch_size
     chosen = sparsest_basis(directions, zero_counts, b, certified, rank_rtol)
     if chosen is None:
         return None
     current = torch.tensor(chosen, device=directions.device)
+    sigma, valid, c, consistent = _score_sets(
+        problem, directions, zero_masks, current[None], certain_zero, z_rtol
+    )
+    resumed = _resume(
+        problem, directions, zero_masks, zero_counts, certain_zero, z_rtol, certified, rank_rtol, start
+    )
+    if resumed is not None and float(resumed[1][0][0]) >= float(sigma[0]):
+        current, (sigma, valid, c, consistent) = resumed
     if certified is not None:
         free = (~certified[current]).nonzero()[:, 0]
     else:
         free = torch.arange(b, device=directions.device)
-    sigma, valid, c, consistent = _score_sets(
-        problem, directions, zero_masks, current[None], certain_zero, z_rtol
-    )
     best_sigma = float(sigma[0])
     n_cand = directions.shape[0]
     sweeps = 0

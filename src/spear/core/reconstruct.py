@@ -376,6 +376,32 @@ def _tolerances(split: LowRankSplit, source_dtype: torch.dtype, options: AttackO
     return tol
 
 
+class SweptSelection:
+    """Where the last selection's swaps ended, for the next selection's swaps to start from
+    (:func:`spear.core.greedy.greedy_filter`'s ``start``). Stage 1's basis is rebuilt from the
+    sparsest candidates at every selection, and the swaps climbed from it again, though the
+    pool had grown by a handful of candidates or one certified sample: at MNIST 6 x 500,
+    float32, trained 200 steps, layer 2, b = 64, each selection swept eight times (2.5 s
+    each) from sigma 0.75 to 0.974."""
+
+    #: ``|cos|`` from which a pool direction is the remembered one (pool directions are unit)
+    SAME_COS = 1.0 - 1e-12
+
+    def __init__(self) -> None:
+        self.directions: torch.Tensor | None = None
+
+    def remember(self, pool: CandidatePool, selection: Selection) -> None:
+        self.directions = pool.directions[list(selection.indices)].clone()
+
+    def find(self, pool: CandidatePool) -> list[int] | None:
+        """The pool indices of the remembered directions still in the pool (None: none)."""
+        if self.directions is None or not len(pool):
+            return None
+        cos = (self.directions.to(pool.directions.dtype) @ pool.directions.T).abs()
+        best, at = cos.max(dim=1)
+        return at[best >= self.SAME_COS].tolist() or None
+
+
 class _Attack:
     """The search loop of one attack and its state."""
 
@@ -444,6 +470,7 @@ class _Attack:
         self.swaps_deferred = False  # the last selection skipped its swaps (peeling progressed)
         self.resolvable = setup.resolvable
         self._offered: Selection | None = None  # the last selection shown to stop_when
+        self.swept = SweptSelection()  # where the last selection's swaps ended
         self.notes: list[str] = [] if (note := noise_note(setup)) is None else [note]
 
     # --- one step ---------------------------------------------------------------------------
@@ -728,9 +755,12 @@ class _Attack:
                 z_rtol=s.tol.z_rtol,
                 deadline=s.deadline,
                 rank_rtol=max(RANK_RTOL, copy_angle(s.split)),
+                start=None if max_sweeps == 0 else self.swept.find(pool),
             )
             if selection is None:
                 return
+            if max_sweeps is None:
+                self.swept.remember(pool, selection)
             if self.best is not None and selection.sigma < self.best.sigma:
                 return
             chosen = list(selection.indices)

@@ -353,6 +353,19 @@ def test_greedy_takes_the_best_swap_of_a_sweep(monkeypatch):
     assert one.sigma == pytest.approx(best, abs=1e-12)
     # the sweep goes on with the next-ranked swaps that still help: all three impostors go
     assert best < 1.0 and more.sigma == 1.0 and not {0, 1, 2} & set(more.indices)
+    # ... but not past the deadline
+    from spear.core.deadline import Deadline
+
+    monkeypatch.setattr(greedy, "MORE_SWAPS", 64)
+    calls = []  # the sweep's ranking runs; only the extra swaps see a passed deadline
+    more_swaps = greedy._more_swaps
+    monkeypatch.setattr(
+        greedy,
+        "_more_swaps",
+        lambda *a: calls.append(1) or more_swaps(*a[:-1], Deadline(0.0)),
+    )
+    cut = greedy_filter(problem, directions, masks, counts, max_sweeps=1)
+    assert calls and cut.sigma == pytest.approx(best, abs=1e-12)
 
 
 def test_greedy_resumes_its_swaps_where_the_last_selection_ended(monkeypatch):

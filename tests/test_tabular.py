@@ -114,6 +114,7 @@ def test_adult_rows_are_recovered_exactly_and_decode_to_the_records(adult, batch
     decoded = adult.schema.decode(adult.denormalize(rec.inputs))
     truth = adult.schema.decode(secret.images)
     key = [c.name for c in adult.schema.columns]
+
     def as_rows(records):
         return sorted(tuple(r[k] for k in key) for r in records)
 

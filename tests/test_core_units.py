@@ -390,19 +390,20 @@ def test_greedy_resumes_its_swaps_where_the_last_selection_ended(monkeypatch):
     sweeps.clear()
     warm = greedy_filter(problem, directions, masks, counts, start=list(cold.indices))
     assert sorted(warm.indices) == sorted(cold.indices) and len(sweeps) == 0  # sigma = 1: no sweep
-    # a worse start (all three impostors and five true columns) is not taken over stage 1
-    worse = [0, 1, 2, 3, 4, 5, 6, 7]
-    sweeps.clear()
-    again = greedy_filter(problem, directions, masks, counts, max_sweeps=0, start=worse)
+    # a start that scores lower than stage 1's basis is not taken; one that scores higher is
     plain = greedy_filter(problem, directions, masks, counts, max_sweeps=0)
-    assert again.indices == plain.indices
-    # certified candidates stay in whatever the start says
+    better = greedy_filter(problem, directions, masks, counts, max_sweeps=0, start=list(cold.indices))
+    assert plain.sigma < 1.0 and better.sigma == 1.0
+    sparse_truth = torch.tensor([50, 50, 50] + [100] * 8)  # stage 1 takes the true columns
+    plain = greedy_filter(problem, directions, masks, sparse_truth, max_sweeps=0)
+    worse = greedy_filter(problem, directions, masks, sparse_truth, max_sweeps=0, start=[0, 1, 2])
+    assert plain.sigma == 1.0 and worse.indices == plain.indices
+    # a certified candidate stays in whatever the start says, even a sparse impostor
     certified = torch.zeros(directions.shape[0], dtype=torch.bool)
-    certified[3] = True
-    kept = greedy_filter(
-        problem, directions, masks, counts, certified=certified, start=[4, 5, 6, 7, 8, 9, 10, 0]
-    )
-    assert 3 in kept.indices and kept.sigma == 1.0
+    certified[0] = True
+    truth = list(range(3, 11))
+    kept = greedy_filter(problem, directions, masks, sparse_truth, 0, certified, start=truth)
+    assert 0 in kept.indices
 
     # the attack remembers the directions, and finds them again in a pool that has changed
     class Pool:

@@ -581,6 +581,63 @@ def test_deferred_swaps_run_in_the_next_quiet_step_or_when_the_run_ends(monkeypa
     assert made == [None, None]
 
 
+def _band_column(problem, Qt, zero_rtol):
+    """A true column whose zero mask at ``zero_rtol`` holds band rows (above the retry's
+    threshold) and which peels (consistent), with its mask and retry rows."""
+    from spear.core.peeling import BAND_FRACTION
+
+    for j in range(Qt.shape[1]):
+        q = Qt[:, j]
+        values = (problem.L @ q).abs()
+        mask = values <= zero_rtol * values.max()
+        tight = values <= BAND_FRACTION * zero_rtol * values.max()
+        if torch.equal(mask, tight):
+            continue
+        if bool(SamplePeeler(problem, 1e-8, zero_rtol=zero_rtol).peel(q[None], mask[None]).consistent[0]):
+            return q, mask
+    raise AssertionError("no column with band rows")
+
+
+def test_a_failure_on_other_retry_rows_does_not_hide_a_true_direction():
+    # a direction 4e-5 rad from a true column, with the same zero mask (float32's zero_rtol),
+    # fails where the true one passes: its retry keeps other rows. The memory keys on those
+    # rows too, so the true column is still checked (and certified) after it
+    _, problem, _, _, Qt = _client(40, 400, seed=1)
+    q, mask = _band_column(problem, Qt, 1e-4)
+    _, _, Vh = torch.linalg.svd(problem.L[mask])
+    for w in Vh:
+        w = w - (w @ q) * q
+        near = q + 4e-5 * w / w.norm()
+        near = near / near.norm()
+        same_mask = torch.equal(zero_mask((problem.L @ near)[None], 1e-4)[0], mask)
+        peeler = SamplePeeler(problem, 1e-8, zero_rtol=1e-4)
+        if same_mask and not bool(peeler.peel(near[None], mask[None]).consistent[0]):
+            break
+    else:
+        raise AssertionError("no near direction that fails")
+    assert 1.0 - abs(float(near @ q)) <= 1e-9 and len(peeler.failed) == 1
+    assert bool(peeler.peel(q[None], mask[None]).consistent[0])
+
+
+def test_a_retry_cut_by_the_deadline_is_not_remembered():
+    # the first pass fails on a band row, the deadline passes before the retry: nothing is
+    # recorded, and the direction certifies once checked in full
+    _, problem, _, _, Qt = _client(40, 400, seed=1)
+    q, mask = _band_column(problem, Qt, 1e-4)
+
+    class AfterFirstPass:
+        calls = 0
+
+        def passed(self):
+            self.calls += 1
+            return self.calls > 1
+
+    peeler = SamplePeeler(problem, 1e-8, zero_rtol=1e-4)
+    cut = peeler.peel(q[None], mask[None], AfterFirstPass())
+    assert not bool(cut.consistent[0]) and not bool(cut.refuted[0]) and len(peeler.failed) == 0
+    assert bool(peeler.peel(q[None], mask[None]).consistent[0])
+
+
 def test_a_selection_with_swaps_starts_where_the_last_one_ended(monkeypatch):
     # the swaps of a selection start from where the last selection's swaps ended (found again
     # in the pool by direction); a selection without swaps (peeling progressed) neither uses

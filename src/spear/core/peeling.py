@@ -189,17 +189,20 @@ class PeelChecks:
 
 
 class FailedDirections:
-    """The directions whose peeling checks failed, by zero mask, so that a repeat is not
-    checked again.
+    """The directions whose peeling checks failed, by zero mask and retry rows, so that a
+    repeat is not checked again.
 
-    Steps 1-2 and the retry depend on the direction and its zero mask alone (and on the layer,
-    fixed for a peeler), so a direction that failed them fails them again. The search meets
-    the same columns step after step (the next-layer proposer cycles through its zero sets, and
-    the residual problems hand back what the root problem found): at m = 500, b = 64 (MNIST,
-    float32, trained 1000 steps) 8,501 of 10,747 peeled directions were repeats, 13 of the
-    17 s spent peeling. A repeat must have the same mask and a parallel direction (the same
-    zero set can hold several directions where patterns coincide); checks a deadline cut
-    short are not recorded.
+    Step 1 depends on the zero mask alone, step 2 on the mask and the direction up to sign
+    and scale, and the retry on the clearly zero rows (``SamplePeeler.retry_rows``), all on
+    the layer, which is fixed for a peeler. So a direction that failed them fails them again.
+    The search meets the same columns step after step (the next-layer proposer cycles through
+    its zero sets, and the residual problems hand back what the root problem found): at
+    m = 500, b = 64 (MNIST, float32, trained 1000 steps) 8,501 of 10,747 peeled directions were
+    repeats, 13 of the 17 s spent peeling. A repeat must have the same mask, the same retry
+    rows (two directions 1e-5 apart can differ there: the retry takes rows below 1e-6 of a
+    float32 column's largest entry) and a parallel direction (the same zero set can hold
+    several directions where patterns coincide). Checks a deadline cut short, the retry's
+    included, are not recorded.
     """
 
     #: largest ``1 - |cos|`` between a direction and its recorded failure that counts as a repeat
@@ -212,31 +215,37 @@ class FailedDirections:
         return len(self._seen)
 
     @staticmethod
-    def _keys(masks: torch.Tensor) -> list[bytes]:
-        packed = np.packbits(masks.detach().cpu().numpy().astype(bool), axis=1)
-        return [row.tobytes() for row in packed]
+    def _keys(masks: torch.Tensor, rows: torch.Tensor) -> list[bytes]:
+        both = torch.cat([masks, rows], dim=1).detach().cpu().numpy().astype(bool)
+        return [row.tobytes() for row in np.packbits(both, axis=1)]
 
-    def lookup(self, directions: torch.Tensor, masks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(k,) which directions repeat a recorded failure, and which of those were refuted."""
+    def lookup(
+        self, directions: torch.Tensor, masks: torch.Tensor, rows: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(k,) which directions (k, b), with zero masks and retry rows (k, m), repeat a
+        recorded failure, and which of those were refuted."""
         k = directions.shape[0]
         known = torch.zeros(k, dtype=torch.bool, device=directions.device)
         refuted = torch.zeros_like(known)
         if not self._seen or not k:
             return known, refuted
         unit = _unit_rows(directions)
-        for i, key in enumerate(self._keys(masks)):
+        for i, key in enumerate(self._keys(masks, rows)):
             entry = self._seen.get(key)
             if entry is not None and 1.0 - abs(float(entry[0] @ unit[i])) <= self.PARALLEL_TOL:
                 known[i], refuted[i] = True, entry[1]
         return known, refuted
 
-    def add(self, directions: torch.Tensor, masks: torch.Tensor, refuted: torch.Tensor) -> None:
-        """Record failed directions (k, b) with their masks (k, m) and refuted flags (k,)."""
+    def add(
+        self, directions: torch.Tensor, masks: torch.Tensor, rows: torch.Tensor, refuted: torch.Tensor
+    ) -> None:
+        """Record failed directions (k, b) with their masks and retry rows (k, m) and refuted
+        flags (k,)."""
         if not directions.shape[0]:
             return
         unit = _unit_rows(directions)
-        for i, key in enumerate(self._keys(masks)):
-            self._seen[key] = (unit[i], bool(refuted[i]))
+        for i, key in enumerate(self._keys(masks, rows)):
+            self._seen[key] = (unit[i].clone(), bool(refuted[i]))
 
 
 def _unit_rows(directions: torch.Tensor) -> torch.Tensor:
@@ -364,6 +373,15 @@ class SamplePeeler:
         refuted = ~ok & (S[:, -2] > self.rtol * S[:, 0])
         return ok, ok & robust, r, refuted
 
+    def retry_rows(self, directions: torch.Tensor, masks: torch.Tensor) -> torch.Tensor:
+        """(k, m) the rows of each mask that :meth:`_retry_without_band` takes as inactive: at
+        most ``BAND_FRACTION * zero_rtol`` of the column's largest entry (the masks themselves
+        when there is no retry)."""
+        if self.zero_rtol is None:
+            return masks
+        values = (directions.to(self.problem.L.dtype) @ self.problem.L.T).abs()
+        return masks & (values <= BAND_FRACTION * self.zero_rtol * values.amax(dim=1, keepdim=True))
+
     def _retry_without_band(
         self,
         directions: torch.Tensor,
@@ -393,8 +411,7 @@ class SamplePeeler:
         if not failed.numel():
             return
         q = directions[failed].to(L.dtype)
-        values = (q @ L.T).abs()
-        tight = masks[failed] & (values <= BAND_FRACTION * self.zero_rtol * values.amax(dim=1, keepdim=True))
+        tight = self.retry_rows(q, masks[failed])
         # without band rows the retry would solve and check the same rows again
         retry = (tight.sum(dim=1) >= b) & (tight != masks[failed]).any(dim=1)
         # refuted only once the retry has failed too (not when the deadline cut it off)
@@ -428,7 +445,8 @@ class SamplePeeler:
             zeros = masks.sum(dim=1)
             # enough equations in step 2, and enough zero rows for a one-dimensional kernel
             eligible = (m - zeros >= b + 1 + SPARE_EQUATIONS) & (zeros >= b)
-            known, refuted = self.failed.lookup(directions, masks)
+            rows = self.retry_rows(directions, masks)
+            known, refuted = self.failed.lookup(directions, masks, rows)
             checks.refuted |= known & refuted
             eligible = (eligible & ~known).nonzero()[:, 0]
             for part in peel_chunks(eligible, m, b + 1):
@@ -439,7 +457,7 @@ class SamplePeeler:
             directions = directions.clone()  # the retry may replace some by exact kernels
             self._retry_without_band(directions, masks, eligible, checks, deadline)
             failed = eligible[checks.checked[eligible] & ~checks.consistent[eligible]]
-            self.failed.add(original[failed], masks[failed], checks.refuted[failed])
+            self.failed.add(original[failed], masks[failed], rows[failed], checks.refuted[failed])
         consistent = checks.consistent
         q, r = directions[consistent].to(L.dtype), checks.coefficients[consistent]
         duals = q / (q * r).sum(dim=1, keepdim=True)

@@ -386,11 +386,13 @@ class SamplePeeler:
         self,
         directions: torch.Tensor,
         masks: torch.Tensor,
+        clear: torch.Tensor,
         eligible: torch.Tensor,
         checks: PeelChecks,
         deadline: Deadline,
     ) -> None:
-        """Step 1 again for the directions that failed, on their clearly zero rows only.
+        """Step 1 again for the directions that failed, on their clearly zero rows only
+        (``clear``, :meth:`retry_rows` of every direction).
 
         A column's zero mask (entries up to ``zero_rtol`` of its largest) can hold active
         neurons whose gradient is merely small: trained networks and float32 gradients have
@@ -411,7 +413,7 @@ class SamplePeeler:
         if not failed.numel():
             return
         q = directions[failed].to(L.dtype)
-        tight = self.retry_rows(q, masks[failed])
+        tight = clear[failed]
         # without band rows the retry would solve and check the same rows again
         retry = (tight.sum(dim=1) >= b) & (tight != masks[failed]).any(dim=1)
         # refuted only once the retry has failed too (not when the deadline cut it off)
@@ -455,7 +457,7 @@ class SamplePeeler:
                 checks.record(part, *self._certify(directions[part].to(L.dtype), masks[part]))
             original = directions
             directions = directions.clone()  # the retry may replace some by exact kernels
-            self._retry_without_band(directions, masks, eligible, checks, deadline)
+            self._retry_without_band(directions, masks, rows, eligible, checks, deadline)
             failed = eligible[checks.checked[eligible] & ~checks.consistent[eligible]]
             self.failed.add(original[failed], masks[failed], rows[failed], checks.refuted[failed])
         consistent = checks.consistent

@@ -189,18 +189,19 @@ def test_float32_trained_batch_with_a_faint_sample(mnist, certify, monkeypatch):
     tolerance, and the layer alone does not verify samples too faint for its precision. Now
     the selection's directions are also polished on their clearly zero rows
     (spear.core.polish), which puts every sample within 7e-5 and lets the model verify the
-    batch on this CPU. A/B: without polishing the sample is off by more than float32's 1e-3 and
-    the batch is not verified (which of the checks refuses it depends on the last bits of the
-    arithmetic); with it, the sample was within 1e-3 on the CPU this was written on. On an
-    AVX-512 EPYC (MKL's code path for it) polishing leaves it 9.7e-3 off, and the batch is not
-    verified: the promise, not the polish's reach, is what holds on every CPU."""
+    batch on the CPU this was written on. How hard the case is depends on the CPU's arithmetic
+    (MKL takes other code paths on other CPUs): without polishing, the sample came out 1e-3 to
+    6e-3 off and unverified on one AMD EPYC, and 2.9e-4 off and verified on an Intel Xeon; with
+    it, 7e-5 off and verified on the first, 9.7e-3 off and unverified on an AVX-512 EPYC, and
+    9e-5 off and verified on the Xeon. What holds on every CPU, with or without polishing, is
+    the promise: a verified batch is right to float32's 1e-3."""
     with monkeypatch.context() as patched:
         unpolished = lambda L, Qbar, *args: Polished.unchanged(Qbar)  # noqa: E731
         patched.setattr(reconstruct_module, "polish_directions", unpolished)
         rec, error = faint_case_error(mnist, certify)
-        assert error > 1e-3 and not rec.verified
+        assert not rec.verified or error <= 1e-3
     rec, error = faint_case_error(mnist, certify)
-    assert not rec.verified or error <= 1e-3  # the promise, whatever the arithmetic's last bits
+    assert not rec.verified or error <= 1e-3
 
 
 def test_faint_samples_are_judged_by_their_share_of_the_gradient():

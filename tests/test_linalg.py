@@ -111,3 +111,100 @@ def test_batched_solves_survive_an_explicit_thread_count():
     # at n = 150 torch's batched call never returns: a hang there is a failure, not a stuck suite
     done = subprocess.run([sys.executable, "-c", MULTI_THREADED], capture_output=True, text=True, timeout=180)
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]
+
+
+def _masked_reference(A: torch.Tensor, masks: torch.Tensor):
+    """The thin SVD of each masked matrix: kernel, singular values, leverages."""
+    U, S, Vh = torch.linalg.svd(A.unsqueeze(0) * masks.unsqueeze(-1).to(A.dtype), full_matrices=False)
+    return Vh[:, -1, :], S, (U[:, :, :-1] ** 2).sum(dim=-1)
+
+
+def _kernel_batch(seed: int, decades: float, m: int = 600, b: int = 40, exact: int = 8, rows: int = 70):
+    """A factor (m, b) with columns scaled over ``decades`` decades, and 2 * ``exact`` masks:
+    ``exact`` disjoint groups of ``rows`` rows, each built to vanish on its own direction (a
+    true column's zero set: a one-dimensional kernel), then as many random halves of all rows."""
+    g = torch.Generator().manual_seed(seed)
+    A = torch.randn(m, b, generator=g, dtype=torch.float64)
+    A = A * torch.logspace(0, -decades, b, dtype=torch.float64)[torch.randperm(b, generator=g)]
+    masks = torch.zeros(2 * exact, m, dtype=torch.bool)
+    for i in range(exact):
+        q = torch.randn(b, generator=g, dtype=torch.float64)
+        group = slice(i * rows, (i + 1) * rows)
+        A[group] -= (A[group] @ q).unsqueeze(1) * q / q.dot(q)
+        masks[i, group] = True
+    masks[exact:] = torch.rand(exact, m, generator=g) < 0.5
+    return A, masks
+
+
+@pytest.mark.parametrize(("seed", "decades", "gram"), [(0, 2.0, True), (1, 3.0, True), (2, 6.0, False)])
+def test_masked_kernels_match_the_svd(monkeypatch, seed, decades, gram):
+    """Both paths (the Gram matrix's eigenvectors refined once for well-conditioned matrices,
+    the SVD for ill-conditioned ones) give the SVD's kernel, singular values and leverages
+    (torchmetrics-style: checked against the reference implementation)."""
+    A, masks = _kernel_batch(seed, decades)
+    calls = []
+    svd = torch.linalg.svd
+    monkeypatch.setattr(torch.linalg, "svd", lambda M, **kw: calls.append(M.shape[0]) or svd(M, **kw))
+    got = linalg.masked_kernels(A, masks)
+    monkeypatch.setattr(torch.linalg, "svd", svd)
+    assert sum(calls) == (0 if gram else masks.shape[0])
+    kernel, S, leverage = _masked_reference(A, masks)
+    sign = torch.sign((kernel * got.kernel).sum(dim=1, keepdim=True))
+    gap = (S[:, -2] - S[:, -1]) / S[:, 0]  # the smallest singular vector's conditioning
+    assert ((got.kernel * sign - kernel).norm(dim=1) <= 1e-13 / gap).all()
+    assert torch.allclose(got.singular_values[:, :-1], S[:, :-1], rtol=1e-9)
+    assert ((got.singular_values[:, -1] - S[:, -1]).abs() <= 1e-13 * S[:, 0]).all()
+    assert (got.leverage - leverage).abs().max() <= 1e-9
+    assert not got.degenerate.any()  # nothing asked
+
+
+def test_masked_kernels_of_exact_kernels_are_exact():
+    """Where the masked rows share a one-dimensional kernel, the Gram path finds it to float64's
+    rounding times the conditioning, as the SVD does."""
+    A, masks = _kernel_batch(7, decades=3.0)
+    got = linalg.masked_kernels(A, masks[:8])
+    S = got.singular_values
+    assert (S[:, -1] <= 1e-14 * S[:, 0]).all() and (S[:, -2] > 1e-4 * S[:, 0]).all()
+    residual = (A.unsqueeze(0) * masks[:8].unsqueeze(-1)) @ got.kernel.unsqueeze(-1)
+    assert float(residual.abs().max()) <= 1e-14 * float(A.abs().max())
+
+
+def test_masked_kernels_call_degenerate_only_what_surely_is():
+    """``degenerate`` (no SVD) only where ``s_(b-1) <= degenerate_below * s_1`` holds beyond the
+    Gram's rounding; just above the threshold the matrix is solved."""
+    g = torch.Generator().manual_seed(3)
+    m, b, rtol = 200, 30, 1e-3
+    base = torch.randn(m, b, generator=g, dtype=torch.float64)
+    U, _, Vh = torch.linalg.svd(base, full_matrices=False)
+    cases = []
+    for second in (0.0, 1e-9, 1e-5, 0.5e-3, 2e-3, 1e-2):
+        spectrum = torch.logspace(0, -1, b, dtype=torch.float64)
+        spectrum[-2], spectrum[-1] = second, 0.0
+        cases.append(U @ torch.diag(spectrum) @ Vh)
+    masks = torch.ones(1, m, dtype=torch.bool)
+    flags = [bool(linalg.masked_kernels(M, masks, degenerate_below=rtol).degenerate) for M in cases]
+    # 5e-4 is below the threshold too, but well-conditioned enough for the Gram path: solved
+    assert flags == [True, True, True, False, False, False]
+    for M, flag in zip(cases, flags, strict=True):
+        got = linalg.masked_kernels(M, masks, degenerate_below=rtol)
+        _, S, _ = _masked_reference(M, masks)
+        if flag:
+            assert bool(torch.isnan(got.kernel).all()) and float(S[0, -2]) <= rtol * float(S[0, 0])
+        else:
+            assert bool(torch.isfinite(got.kernel).all())
+            assert torch.allclose(got.singular_values[0, :-1], S[0, :-1], rtol=1e-9)
+
+
+def test_masked_kernels_keep_the_svd_for_other_dtypes_and_scale_freely():
+    """float32 takes the SVD as before, bit for bit; a factor scaled by 1e-200 (a Gram matrix
+    would underflow) gives the same kernel and the scaled singular values."""
+    A, masks = _kernel_batch(5, decades=2.0)
+    A32 = A.float()
+    got = linalg.masked_kernels(A32, masks)
+    kernel, S, leverage = _masked_reference(A32, masks)
+    assert torch.equal(got.kernel, kernel) and torch.equal(got.singular_values, S)
+    assert torch.equal(got.leverage, leverage)
+    tiny = linalg.masked_kernels(A * 1e-200, masks)
+    same = linalg.masked_kernels(A, masks)
+    assert torch.allclose(tiny.kernel, same.kernel, atol=1e-15)
+    assert torch.allclose(tiny.singular_values * 1e200, same.singular_values, rtol=1e-12)

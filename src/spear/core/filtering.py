@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from spear.core.deadline import NEVER, Deadline
-from spear.core.linalg import solve_ex
+from spear.core.linalg import masked_kernels, solve_ex
 
 #: default relative magnitude below which an entry of ``L q`` counts as an exact zero
 DEFAULT_ZERO_RTOL = {torch.float64: 1e-9, torch.float32: 1e-4}
@@ -128,12 +128,11 @@ def kernel_of_rows(
     for part in torch.arange(k, device=L.device).split(chunk):
         if deadline.passed():
             break
-        masked = L.unsqueeze(0) * rows[part].unsqueeze(-1).to(L.dtype)  # (c, m, b)
-        U, S, Vh = torch.linalg.svd(masked, full_matrices=False)
-        kernel[part] = Vh[:, -1, :]
+        solved = masked_kernels(L, rows[part])
+        S = solved.singular_values
+        kernel[part] = solved.kernel
         one_dimensional[part] = S[:, -2] > KERNEL_GAP_RTOL * S[:, 0]
-        leverage = (U[:, :, :-1] ** 2).sum(dim=-1)  # (c, m): 1 for an essential row
-        robust[part] = (leverage < 1.0 - ESSENTIAL_ROW_TOL).all(dim=1)
+        robust[part] = (solved.leverage < 1.0 - ESSENTIAL_ROW_TOL).all(dim=1)  # 1: essential
     return kernel, one_dimensional, robust
 
 
@@ -497,9 +496,8 @@ class CandidatePool:
 
 def _most_parallel(directions: torch.Tensor, others: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """For each direction, its largest ``|cos|`` with ``others`` (unit rows) and where (the first)."""
-    cos = (directions @ others.T).abs()
-    at = cos.argmax(dim=1)
-    return cos.gather(1, at[:, None])[:, 0], at
+    best, at = (directions @ others.T).abs_().max(dim=1)  # ties: the first, as argmax
+    return best, at
 
 
 def _walk_block(

@@ -38,6 +38,7 @@ import torch
 
 from spear.core.deadline import NEVER, Deadline
 from spear.core.filtering import ESSENTIAL_ROW_TOL, zero_mask
+from spear.core.linalg import masked_kernels
 from spear.core.peeling import PeelChecks, PeeledSamples, PeelOutcome, peel_chunks
 from spear.core.scale import LayerProblem
 
@@ -152,9 +153,10 @@ def _kernel(
     """For k row sets (k, rows) of ``factor`` (rows x b): whether the kernel of those rows is
     one-dimensional, whether it is also robust (no essential row), and its unit vector (k, b;
     zero for the sets not solved). Only the sets in ``todo`` (k,) are solved (default: all),
-    and only those :func:`_may_have_kernel` passes get an SVD (m x b: most candidate inputs of
-    the singleton cascade predict a pattern no column has, and an SVD each made its dense rounds
-    tens of seconds at m = 1000, b = 256)."""
+    and only those :func:`_may_have_kernel` passes are solved (:func:`masked_kernels`, an SVD
+    of m x b or an eigendecomposition of b x b: most candidate inputs of the singleton cascade
+    predict a pattern no column has, and an SVD each made its dense rounds tens of seconds at
+    m = 1000, b = 256)."""
     k, b = rows.shape[0], factor.shape[1]
     one_dim = torch.zeros(k, dtype=torch.bool, device=factor.device)
     robust = torch.zeros_like(one_dim)
@@ -165,11 +167,11 @@ def _kernel(
         index = index[_may_have_kernel(factor, rows[index], rtol)]
     if not index.numel():
         return one_dim, robust, vectors
-    masked = factor.unsqueeze(0) * rows[index].to(factor.dtype).unsqueeze(-1)
-    U, S, Vh = torch.linalg.svd(masked, full_matrices=False)
-    one_dim[index] = (S[:, -1] <= rtol * S[:, 0]) & (S[:, -2] > rtol * S[:, 0])
-    robust[index] = ((U[:, :, :-1] ** 2).sum(dim=-1) < 1.0 - ESSENTIAL_ROW_TOL).all(dim=1)
-    vectors[index] = Vh[:, -1, :]
+    solved = masked_kernels(factor, rows[index], degenerate_below=rtol)
+    S = solved.singular_values
+    one_dim[index] = (S[:, -1] <= rtol * S[:, 0]) & (S[:, -2] > rtol * S[:, 0]) & ~solved.degenerate
+    robust[index] = (solved.leverage < 1.0 - ESSENTIAL_ROW_TOL).all(dim=1)
+    vectors[index] = solved.kernel.nan_to_num(0.0)
     return one_dim, robust, vectors
 
 

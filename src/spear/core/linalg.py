@@ -9,6 +9,8 @@ does not; CUDA offers only gels.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 
@@ -79,3 +81,107 @@ def _factor_each(A: torch.Tensor, rhs: torch.Tensor) -> tuple[torch.Tensor, torc
     pivots = torch.stack([f.pivots for f in factors]).reshape(A.shape[:-1])
     info = torch.stack([f.info for f in factors]).reshape(A.shape[:-2])
     return torch.linalg.lu_solve(LU, pivots, rhs), info
+
+
+#: largest ``s_1 / s_(b-1)`` of a masked matrix whose kernel :func:`masked_kernels` takes from
+#: its Gram matrix (beyond it, from an SVD): the Gram's eigenvectors carry errors of about
+#: ``eps * (s_1 / s_(b-1))^2``, 2e-8 here, which one refinement step against the matrix itself
+#: brings down to the SVD's ``eps * s_1 / s_(b-1)``
+GRAM_CONDITION_LIMIT = 1e4
+#: bound on the rounding of a computed Gram matrix's eigenvalues, relative to the largest (about
+#: b * eps for the matrix product and the eigensolver together; 1e3 * eps covers b <= 1000)
+GRAM_EIGENVALUE_ERROR = 1e3 * torch.finfo(torch.float64).eps
+
+
+@dataclass
+class MaskedKernels:
+    """The kernel direction and spectrum of ``A[rows_i]`` for k row masks (see
+    :func:`masked_kernels`).
+
+    Attributes:
+        kernel: (k, b) unit right singular vectors of the smallest singular value.
+        singular_values: (k, b) descending; the last is ``|A[rows_i] kernel_i|``.
+        leverage: (k, m) each row's squared norm in the leading b - 1 left singular vectors
+            (1 for a row the rank-(b - 1) row space cannot do without; 0 for masked-out rows).
+        degenerate: (k,) matrices whose ``s_(b-1)`` is certainly at most ``degenerate_below``
+            times ``s_1`` (a kernel of two or more dimensions at that tolerance); their kernel
+            is NaN, their leverage 0 and their singular values the Gram's estimates.
+    """
+
+    kernel: torch.Tensor
+    singular_values: torch.Tensor
+    leverage: torch.Tensor
+    degenerate: torch.Tensor
+
+
+def masked_kernels(
+    A: torch.Tensor, masks: torch.Tensor, degenerate_below: float | None = None
+) -> MaskedKernels:
+    """Kernel, singular values and row leverages of ``A`` (m, b) restricted to the rows of each
+    mask (k, m), as a thin SVD of the masked matrix (rows outside the mask zeroed) gives them.
+
+    In float64, a matrix whose ``s_1 / s_(b-1)`` is at most ``GRAM_CONDITION_LIMIT`` is solved
+    from its Gram matrix ``A^T D A`` (one eigendecomposition of b x b, about 4x cheaper than the
+    SVD of m x b at m = 485, b = 64) and its kernel refined once against the masked matrix
+    itself (a step of the semi-normal equations): the same kernel as the SVD's to its own
+    rounding. ``degenerate_below``: a caller that only needs to know that ``s_(b-1) <=
+    degenerate_below * s_1`` gets that answer from the Gram's eigenvalues where their rounding
+    (``GRAM_EIGENVALUE_ERROR``) cannot change it, with no SVD (``MaskedKernels.degenerate``).
+    The other matrices, and every other dtype, take the SVD."""
+    k, b = masks.shape[0], A.shape[1]
+    # a power of two near A's largest entry (exact scaling): no underflow or overflow in the
+    # Gram matrix, and the SVD path's arithmetic unchanged; scaled back below
+    size = A.abs().amax() if A.numel() else A.new_ones(())
+    size = torch.where(torch.isfinite(size) & (size > 0), size, A.new_ones(()))
+    size = torch.exp2(torch.round(torch.log2(size)))
+    A = A / size
+    masked = A.unsqueeze(0) * masks.unsqueeze(-1).to(A.dtype)  # (k, m, b)
+    kernel = A.new_full((k, b), torch.nan)
+    S = A.new_empty(k, b)
+    leverage = A.new_zeros(k, A.shape[0])
+    gram_ok = torch.zeros(k, dtype=torch.bool, device=A.device)
+    degenerate = torch.zeros_like(gram_ok)
+    if A.dtype == torch.float64 and b > 1 and k and bool(torch.isfinite(A).all()):
+        lam, vecs = torch.linalg.eigh(masked.mT @ masked)  # ascending: lam[:, 1] is s_(b-1)^2
+        top = lam[:, -1]
+        gram_ok = (top > 0) & (lam[:, 1] * GRAM_CONDITION_LIMIT**2 >= top)
+        if degenerate_below is not None:
+            slack = GRAM_EIGENVALUE_ERROR * top
+            degenerate = ~gram_ok & (lam[:, 1] + slack <= degenerate_below**2 * (top - slack))
+            S[degenerate] = lam[degenerate].clamp_min(0).sqrt().flip(1)
+        if bool(gram_ok.any()):
+            _from_gram(masked[gram_ok], lam[gram_ok], vecs[gram_ok], gram_ok, kernel, S, leverage)
+    rest = ~gram_ok & ~degenerate
+    if bool(rest.any()):
+        U, s, Vh = torch.linalg.svd(masked[rest], full_matrices=False)
+        kernel[rest], S[rest] = Vh[:, -1, :], s
+        leverage[rest] = (U[:, :, :-1] ** 2).sum(dim=-1)
+    return MaskedKernels(kernel, S * size, leverage, degenerate)
+
+
+def _from_gram(
+    masked: torch.Tensor,
+    lam: torch.Tensor,
+    vecs: torch.Tensor,
+    where: torch.Tensor,
+    kernel: torch.Tensor,
+    S: torch.Tensor,
+    leverage: torch.Tensor,
+) -> None:
+    """:func:`masked_kernels`' Gram path for well-conditioned masked matrices (c, m, b), given
+    their Gram's ascending eigenvalues (c, b) and eigenvectors; writes the rows ``where`` of
+    ``kernel``, ``S`` and ``leverage``."""
+    rest_vecs, rest_lam = vecs[:, :, 1:], lam[:, 1:]  # the leading b - 1 (all > 0 here)
+    v = vecs[:, :, 0]
+    # one refinement step: remove v's components along the leading right singular vectors,
+    # measured through the matrix itself (A^T A v), not through the rounded Gram matrix
+    residual = (masked @ v.unsqueeze(-1)).squeeze(-1)  # (c, m)
+    pull = (masked.mT @ residual.unsqueeze(-1)).squeeze(-1)  # (c, b)
+    along = (rest_vecs.mT @ pull.unsqueeze(-1)).squeeze(-1) / rest_lam  # (c, b - 1)
+    v = v - (rest_vecs @ along.unsqueeze(-1)).squeeze(-1)
+    v = v / v.norm(dim=1, keepdim=True)
+    smallest = (masked @ v.unsqueeze(-1)).squeeze(-1).norm(dim=1)
+    kernel[where] = v
+    S[where] = torch.cat([rest_lam.clamp_min(0).sqrt().flip(1), smallest.unsqueeze(1)], dim=1)
+    left = masked @ rest_vecs / rest_lam.sqrt().unsqueeze(1)  # (c, m, b - 1)
+    leverage[where] = (left**2).sum(dim=-1)

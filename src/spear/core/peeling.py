@@ -45,7 +45,7 @@ import torch
 
 from spear.core.deadline import NEVER, Deadline
 from spear.core.filtering import ESSENTIAL_ROW_TOL, kernel_chunk, kernel_of_rows
-from spear.core.linalg import lstsq
+from spear.core.linalg import lstsq, masked_kernels
 from spear.core.lowrank import leading_svd, numerical_rank
 from spear.core.proposers.base import orthogonal_complement
 from spear.core.scale import LayerProblem
@@ -341,18 +341,37 @@ class SamplePeeler:
         ``kernel_rows`` (default ``masks``), a subset of each mask, are the rows taken as the
         sample's inactive neurons (step 1 and the ReLU check); the rows outside ``masks`` are
         its active ones (step 2). Rows in the mask but not in ``kernel_rows`` are in neither."""
-        L, bias, P = self.problem.L, self.problem.bias, self.P
-        b = L.shape[1]
+        L, P = self.problem.L, self.P
+        k, b = directions.shape[0], L.shape[1]
         zero = (masks if kernel_rows is None else kernel_rows).to(L.dtype)
         active = 1.0 - masks.to(L.dtype)
-        # step 1: the kernel of P[S] (rows outside S zeroed: the right singular vectors stay)
-        U, S, Vh = torch.linalg.svd(P.unsqueeze(0) * zero.unsqueeze(-1), full_matrices=False)
+        # step 1: the kernel of P[S] (rows outside S zeroed: the right singular vectors stay);
+        # a kernel of two or more dimensions fails it whatever step 2 says, so step 2 runs
+        # only where step 1 holds
+        solved = masked_kernels(P, zero, degenerate_below=self.rtol)
+        S = solved.singular_values
         one_dim = (S[:, -1] <= self.rtol * S[:, 0]) & (S[:, -2] > self.rtol * S[:, 0])
-        robust = ((U[:, :, :-1] ** 2).sum(dim=-1) < 1.0 - ESSENTIAL_ROW_TOL).all(dim=1)
-        a = Vh[:, -1, :] @ P.T  # (k, m): the activation vector's direction
-        # step 2: [W R^T, -a] (r, s) = -bias on the active rows (inactive rows zeroed out), and
-        # the scale row c . r = 1, weighted like an average row of W R^T
-        k = a.shape[0]
+        one_dim &= ~solved.degenerate
+        robust = (solved.leverage < 1.0 - ESSENTIAL_ROW_TOL).all(dim=1)
+        ok = torch.zeros(k, dtype=torch.bool, device=L.device)
+        r = L.new_zeros(k, b)
+        run = one_dim.nonzero()[:, 0]
+        if run.numel():
+            ok[run], r[run] = self._step2(directions[run], solved.kernel[run], zero[run], active[run])
+        refuted = ~ok & ~solved.degenerate & (S[:, -2] > self.rtol * S[:, 0])
+        return ok, ok & robust, r, refuted
+
+    def _step2(
+        self, directions: torch.Tensor, kernel: torch.Tensor, zero: torch.Tensor, active: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Step 2 for directions (k, b) whose activation kernel (k, r) step 1 pinned, with their
+        inactive (``zero``) and active rows (k, m, as 0/1): whether the sample reproduces its
+        activation, scale and ReLU pattern, and its coefficients r (k, b)."""
+        L, bias, P = self.problem.L, self.problem.bias, self.P
+        k, b = directions.shape[0], L.shape[1]
+        a = kernel @ P.T  # (k, m): the activation vector's direction
+        # [W R^T, -a] (r, s) = -bias on the active rows (inactive rows zeroed out), and the
+        # scale row c . r = 1, weighted like an average row of W R^T
         system = torch.cat([self.WRt.expand(k, -1, -1), -a.unsqueeze(-1)], dim=2) * active.unsqueeze(-1)
         scale_row = torch.cat([self.c, self.c.new_zeros(1)]) * self.scale_weight
         system = torch.cat([system, scale_row.expand(k, 1, -1)], dim=1)
@@ -368,10 +387,9 @@ class SamplePeeler:
         slack = self.rtol * z.abs().amax(dim=1)
         relu_ok = ((z * zero).amax(dim=1) <= slack) & ((z * active).amin(dim=1) >= -slack)
         dot = (directions * r).sum(dim=1)
-        ok = one_dim & (residual <= self.rtol) & (scale_error <= self.rtol) & relu_ok
+        ok = (residual <= self.rtol) & (scale_error <= self.rtol) & relu_ok
         ok &= torch.isfinite(residual) & (dot.abs() > self.rtol * r.norm(dim=1))  # u_j must exist
-        refuted = ~ok & (S[:, -2] > self.rtol * S[:, 0])
-        return ok, ok & robust, r, refuted
+        return ok, r
 
     def retry_rows(self, directions: torch.Tensor, masks: torch.Tensor) -> torch.Tensor:
         """(k, m) the rows of each mask that :meth:`_retry_without_band` takes as inactive: at

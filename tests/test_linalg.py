@@ -208,3 +208,42 @@ def test_masked_kernels_keep_the_svd_for_other_dtypes_and_scale_freely():
     same = linalg.masked_kernels(A, masks)
     assert torch.allclose(tiny.kernel, same.kernel, atol=1e-15)
     assert torch.allclose(tiny.singular_values * 1e200, same.singular_values, rtol=1e-12)
+
+
+def test_masked_kernels_scale_each_mask_on_its_own():
+    """A mask whose rows are all 1e-170 of the factor's largest entry (the review's case: its
+    Gram matrix underflowed when the factor was scaled as a whole) gets the SVD's kernel."""
+    A, masks = _kernel_batch(9, decades=2.0)
+    group = masks[0]
+    A[group] *= 1e-170
+    got = linalg.masked_kernels(A, masks[:2])
+    kernel, S, _ = _masked_reference(A, masks[:2])
+    sign = torch.sign((kernel * got.kernel).sum(dim=1, keepdim=True))
+    assert (got.kernel * sign - kernel).abs().max() <= 1e-13
+    assert torch.allclose(got.singular_values[:, :-1], S[:, :-1], rtol=1e-9)
+
+
+def test_masked_kernels_refine_near_a_double_smallest_singular_value():
+    """s_b within 0.1% of s_(b-1) at s_1 / s_(b-1) ~ 1e4: the refinement's Rayleigh shift keeps
+    the Gram path's kernel to the SVD's (unshifted it was 6e-7 off, the review measured)."""
+    g = torch.Generator().manual_seed(11)
+    m, b = 300, 30
+    U, _, Vh = torch.linalg.svd(torch.randn(m, b, generator=g, dtype=torch.float64), full_matrices=False)
+    spectrum = torch.logspace(0, -2, b, dtype=torch.float64)
+    spectrum[-2], spectrum[-1] = 1.2e-4, 1.2e-4 * 0.999
+    M = U @ torch.diag(spectrum) @ Vh
+    masks = torch.ones(1, m, dtype=torch.bool)
+    got = linalg.masked_kernels(M, masks)
+    kernel, _, _ = _masked_reference(M, masks)
+    assert float((got.kernel[0] * torch.sign(got.kernel[0] @ kernel[0]) - kernel[0]).norm()) <= 1e-9
+
+
+def test_masked_kernels_do_not_depend_on_the_batch_around_a_mask():
+    """Each mask's result is the same bit for bit whether it is solved alone or among others
+    (peeling's memory of failed directions assumes a check always gives the same answer)."""
+    A, masks = _kernel_batch(4, decades=2.0)
+    together = linalg.masked_kernels(A, masks)
+    for i in range(masks.shape[0]):
+        alone = linalg.masked_kernels(A, masks[i : i + 1])
+        assert torch.equal(alone.kernel[0], together.kernel[i])
+        assert torch.equal(alone.singular_values[0], together.singular_values[i])

@@ -129,13 +129,13 @@ def masked_kernels(
     (``GRAM_EIGENVALUE_ERROR``) cannot change it, with no SVD (``MaskedKernels.degenerate``).
     The other matrices, and every other dtype, take the SVD."""
     k, b = masks.shape[0], A.shape[1]
-    # a power of two near A's largest entry (exact scaling): no underflow or overflow in the
-    # Gram matrix, and the SVD path's arithmetic unchanged; scaled back below
-    size = A.abs().amax() if A.numel() else A.new_ones(())
-    size = torch.where(torch.isfinite(size) & (size > 0), size, A.new_ones(()))
-    size = torch.exp2(torch.round(torch.log2(size)))
-    A = A / size
-    masked = A.unsqueeze(0) * masks.unsqueeze(-1).to(A.dtype)  # (k, m, b)
+    # each masked matrix divided by a power of two near its largest entry (exact): no underflow
+    # or overflow in its Gram matrix, the SVD path's arithmetic unchanged; scaled back below
+    rows = A.abs().amax(dim=1) if b else A.new_zeros(A.shape[0])
+    size = (masks.to(A.dtype) * rows.unsqueeze(0)).amax(dim=1) if A.shape[0] else A.new_ones(k)
+    size = torch.where(torch.isfinite(size) & (size > 0), size, torch.ones_like(size))
+    size = torch.ldexp(torch.ones_like(size), torch.frexp(size).exponent - 1)  # in (size / 2, size]
+    masked = A.unsqueeze(0) * (masks.to(A.dtype) / size.unsqueeze(1)).unsqueeze(-1)  # (k, m, b)
     kernel = A.new_full((k, b), torch.nan)
     S = A.new_empty(k, b)
     leverage = A.new_zeros(k, A.shape[0])
@@ -156,7 +156,7 @@ def masked_kernels(
         U, s, Vh = torch.linalg.svd(masked[rest], full_matrices=False)
         kernel[rest], S[rest] = Vh[:, -1, :], s
         leverage[rest] = (U[:, :, :-1] ** 2).sum(dim=-1)
-    return MaskedKernels(kernel, S * size, leverage, degenerate)
+    return MaskedKernels(kernel, S * size.unsqueeze(1), leverage, degenerate)
 
 
 def _from_gram(
@@ -173,14 +173,19 @@ def _from_gram(
     ``kernel``, ``S`` and ``leverage``."""
     rest_vecs, rest_lam = vecs[:, :, 1:], lam[:, 1:]  # the leading b - 1 (all > 0 here)
     v = vecs[:, :, 0]
-    # one refinement step: remove v's components along the leading right singular vectors,
-    # measured through the matrix itself (A^T A v), not through the rounded Gram matrix
-    residual = (masked @ v.unsqueeze(-1)).squeeze(-1)  # (c, m)
-    pull = (masked.mT @ residual.unsqueeze(-1)).squeeze(-1)  # (c, b)
-    along = (rest_vecs.mT @ pull.unsqueeze(-1)).squeeze(-1) / rest_lam  # (c, b - 1)
-    v = v - (rest_vecs @ along.unsqueeze(-1)).squeeze(-1)
+    # one refinement step (Rayleigh-shifted): remove v's components along the leading right
+    # singular vectors, measured through the matrix itself (A^T A v - rho v, rho = |A v|^2),
+    # not through the rounded Gram matrix; the shift keeps it exact when s_b nears s_(b-1).
+    # Products with one vector are sums of elementwise products: a matrix-vector kernel rounds
+    # differently for a batch of one, and a matrix's result must not depend on its chunk
+    residual = (masked * v.unsqueeze(1)).sum(dim=2)  # (c, m)
+    rho = (residual**2).sum(dim=1, keepdim=True)
+    pull = (masked * residual.unsqueeze(2)).sum(dim=1) - rho * v  # (c, b)
+    gap = (rest_lam - rho).clamp_min(GRAM_EIGENVALUE_ERROR * lam[:, -1:])
+    along = (rest_vecs * pull.unsqueeze(2)).sum(dim=1) / gap  # (c, b - 1)
+    v = v - (rest_vecs * along.unsqueeze(1)).sum(dim=2)
     v = v / v.norm(dim=1, keepdim=True)
-    smallest = (masked @ v.unsqueeze(-1)).squeeze(-1).norm(dim=1)
+    smallest = (masked * v.unsqueeze(1)).sum(dim=2).norm(dim=1)
     kernel[where] = v
     S[where] = torch.cat([rest_lam.clamp_min(0).sqrt().flip(1), smallest.unsqueeze(1)], dim=1)
     left = masked @ rest_vecs / rest_lam.sqrt().unsqueeze(1)  # (c, m, b - 1)

@@ -438,7 +438,7 @@ class SamplePeeler:
         first = checks.refuted.clone()
         checks.refuted[failed[retry]] = False
         checks.checked[failed[retry]] = False  # until the retry has run
-        for part in peel_chunks(retry.nonzero()[:, 0], 2 * m, b + 1):  # two SVDs a direction
+        for part in peel_chunks(retry.nonzero()[:, 0], 2 * m, b + 1):  # two kernel solves a direction
             if deadline.passed():
                 break
             rows = failed[part]

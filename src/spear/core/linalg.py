@@ -123,9 +123,10 @@ def masked_kernels(
     In float64, a matrix whose ``s_1 / s_(b-1)`` is at most ``GRAM_CONDITION_LIMIT`` is solved
     from its Gram matrix ``A^T D A`` (one eigendecomposition of b x b, about 4x cheaper than the
     SVD of m x b at m = 485, b = 64) and its kernel refined once against the masked matrix
-    itself (a step of the semi-normal equations): the same kernel as the SVD's to its own
-    rounding. ``degenerate_below``: a caller that only needs to know that ``s_(b-1) <=
-    degenerate_below * s_1`` gets that answer from the Gram's eigenvalues where their rounding
+    itself (a Rayleigh-shifted correction along the other eigenvectors): the same kernel as the
+    SVD's to its own rounding, and the same whatever other masks share the call.
+    ``degenerate_below``: a caller that only needs to know that ``s_(b-1) <= degenerate_below *
+    s_1`` gets that answer from the Gram's eigenvalues where their rounding
     (``GRAM_EIGENVALUE_ERROR``) cannot change it, with no SVD (``MaskedKernels.degenerate``).
     The other matrices, and every other dtype, take the SVD."""
     k, b = masks.shape[0], A.shape[1]

@@ -170,7 +170,7 @@ def _kernel(
     solved = masked_kernels(factor, rows[index], degenerate_below=rtol)
     S = solved.singular_values
     one_dim[index] = (S[:, -1] <= rtol * S[:, 0]) & (S[:, -2] > rtol * S[:, 0]) & ~solved.degenerate
-    robust[index] = (solved.leverage < 1.0 - ESSENTIAL_ROW_TOL).all(dim=1)
+    robust[index] = (solved.leverage < 1.0 - ESSENTIAL_ROW_TOL).all(dim=1) & ~solved.degenerate
     vectors[index] = solved.kernel.nan_to_num(0.0)
     return one_dim, robust, vectors
 

@@ -29,8 +29,6 @@ ROUNDING_ENTRY = 3.0
 #: further is too faint to judge by its zeros (and the recount after snapping stays a check that
 #: the kernel is real). Below float32's ``zero_rtol``: the floor only ever acts in float64
 FLOOR_CAP = 1e-5
-#: a row whose leverage is within this of 1 is essential to the kernel (see kernel_of_rows)
-ESSENTIAL_ROW_TOL = 1e-6
 #: two unit directions with |cos| above this are the same direction
 DUPLICATE_COS = 1.0 - 1e-9
 #: directions deduplicated together (:meth:`CandidatePool._first_new`)
@@ -132,7 +130,7 @@ def kernel_of_rows(
         S = solved.singular_values
         kernel[part] = solved.kernel
         one_dimensional[part] = S[:, -2] > KERNEL_GAP_RTOL * S[:, 0]
-        robust[part] = (solved.leverage < 1.0 - ESSENTIAL_ROW_TOL).all(dim=1)  # 1: essential
+        robust[part] = solved.robust
     return kernel, one_dimensional, robust
 
 

@@ -37,7 +37,7 @@ from __future__ import annotations
 import torch
 
 from spear.core.deadline import NEVER, Deadline
-from spear.core.filtering import ESSENTIAL_ROW_TOL, zero_mask
+from spear.core.filtering import zero_mask
 from spear.core.linalg import masked_kernels
 from spear.core.peeling import PeelChecks, PeeledSamples, PeelOutcome, peel_chunks
 from spear.core.scale import LayerProblem
@@ -168,9 +168,8 @@ def _kernel(
     if not index.numel():
         return one_dim, robust, vectors
     solved = masked_kernels(factor, rows[index], degenerate_below=rtol)
-    S = solved.singular_values
-    one_dim[index] = (S[:, -1] <= rtol * S[:, 0]) & (S[:, -2] > rtol * S[:, 0]) & ~solved.degenerate
-    robust[index] = (solved.leverage < 1.0 - ESSENTIAL_ROW_TOL).all(dim=1) & ~solved.degenerate
+    one_dim[index] = solved.one_dimensional(rtol)
+    robust[index] = solved.robust
     vectors[index] = solved.kernel.nan_to_num(0.0)
     return one_dim, robust, vectors
 

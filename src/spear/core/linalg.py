@@ -83,6 +83,9 @@ def _factor_each(A: torch.Tensor, rhs: torch.Tensor) -> tuple[torch.Tensor, torc
     return torch.linalg.lu_solve(LU, pivots, rhs), info
 
 
+#: a row whose leverage is within this of 1 is essential to the kernel (see
+#: :func:`spear.core.filtering.kernel_of_rows`)
+ESSENTIAL_ROW_TOL = 1e-6
 #: largest ``s_1 / s_(b-1)`` of a masked matrix whose kernel :func:`masked_kernels` takes from
 #: its Gram matrix (beyond it, from an SVD): the Gram's eigenvectors carry errors of about
 #: ``eps * (s_1 / s_(b-1))^2``, 2e-8 here, which one refinement step against the matrix itself
@@ -112,6 +115,17 @@ class MaskedKernels:
     singular_values: torch.Tensor
     leverage: torch.Tensor
     degenerate: torch.Tensor
+
+    @property
+    def robust(self) -> torch.Tensor:
+        """(k,) no row is essential (every leverage below ``1 - ESSENTIAL_ROW_TOL``); False for
+        degenerate matrices, whose leverages are not computed."""
+        return (self.leverage < 1.0 - ESSENTIAL_ROW_TOL).all(dim=1) & ~self.degenerate
+
+    def one_dimensional(self, rtol: float) -> torch.Tensor:
+        """(k,) the kernel is one-dimensional at ``rtol``: ``s_b <= rtol * s_1 < s_(b-1)``."""
+        S = self.singular_values
+        return (S[:, -1] <= rtol * S[:, 0]) & (S[:, -2] > rtol * S[:, 0]) & ~self.degenerate
 
 
 def masked_kernels(
@@ -151,7 +165,9 @@ def masked_kernels(
             degenerate = ~gram_ok & (lam[:, 1] + slack <= degenerate_below**2 * (top - slack))
             S[degenerate] = lam[degenerate].clamp_min(0).sqrt().flip(1)
         if bool(gram_ok.any()):
-            _from_gram(masked[gram_ok], lam[gram_ok], vecs[gram_ok], gram_ok, kernel, S, leverage)
+            kernel[gram_ok], S[gram_ok], leverage[gram_ok] = _from_gram(
+                masked[gram_ok], lam[gram_ok], vecs[gram_ok]
+            )
     rest = ~gram_ok & ~degenerate
     if bool(rest.any()):
         U, s, Vh = torch.linalg.svd(masked[rest], full_matrices=False)
@@ -161,17 +177,11 @@ def masked_kernels(
 
 
 def _from_gram(
-    masked: torch.Tensor,
-    lam: torch.Tensor,
-    vecs: torch.Tensor,
-    where: torch.Tensor,
-    kernel: torch.Tensor,
-    S: torch.Tensor,
-    leverage: torch.Tensor,
-) -> None:
+    masked: torch.Tensor, lam: torch.Tensor, vecs: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """:func:`masked_kernels`' Gram path for well-conditioned masked matrices (c, m, b), given
-    their Gram's ascending eigenvalues (c, b) and eigenvectors; writes the rows ``where`` of
-    ``kernel``, ``S`` and ``leverage``."""
+    their Gram's ascending eigenvalues (c, b) and eigenvectors: kernels (c, b), descending
+    singular values (c, b) and leverages (c, m)."""
     rest_vecs, rest_lam = vecs[:, :, 1:], lam[:, 1:]  # the leading b - 1 (all > 0 here)
     v = vecs[:, :, 0]
     # one refinement step (Rayleigh-shifted): remove v's components along the leading right
@@ -187,7 +197,6 @@ def _from_gram(
     v = v - (rest_vecs * along.unsqueeze(1)).sum(dim=2)
     v = v / v.norm(dim=1, keepdim=True)
     smallest = (masked * v.unsqueeze(1)).sum(dim=2).norm(dim=1)
-    kernel[where] = v
-    S[where] = torch.cat([rest_lam.clamp_min(0).sqrt().flip(1), smallest.unsqueeze(1)], dim=1)
+    S = torch.cat([rest_lam.clamp_min(0).sqrt().flip(1), smallest.unsqueeze(1)], dim=1)
     left = masked @ rest_vecs / rest_lam.sqrt().unsqueeze(1)  # (c, m, b - 1)
-    leverage[where] = (left**2).sum(dim=-1)
+    return v, S, (left**2).sum(dim=-1)

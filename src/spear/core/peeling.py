@@ -44,7 +44,7 @@ import numpy as np
 import torch
 
 from spear.core.deadline import NEVER, Deadline
-from spear.core.filtering import ESSENTIAL_ROW_TOL, kernel_chunk, kernel_of_rows
+from spear.core.filtering import kernel_chunk, kernel_of_rows
 from spear.core.linalg import lstsq, masked_kernels
 from spear.core.lowrank import leading_svd, numerical_rank
 from spear.core.proposers.base import orthogonal_complement
@@ -350,16 +350,13 @@ class SamplePeeler:
         # only where step 1 holds
         solved = masked_kernels(P, zero, degenerate_below=self.rtol)
         S = solved.singular_values
-        one_dim = (S[:, -1] <= self.rtol * S[:, 0]) & (S[:, -2] > self.rtol * S[:, 0])
-        one_dim &= ~solved.degenerate
-        robust = (solved.leverage < 1.0 - ESSENTIAL_ROW_TOL).all(dim=1)
         ok = torch.zeros(k, dtype=torch.bool, device=L.device)
         r = L.new_zeros(k, b)
-        run = one_dim.nonzero()[:, 0]
+        run = solved.one_dimensional(self.rtol).nonzero()[:, 0]
         if run.numel():
             ok[run], r[run] = self._step2(directions[run], solved.kernel[run], zero[run], active[run])
         refuted = ~ok & ~solved.degenerate & (S[:, -2] > self.rtol * S[:, 0])
-        return ok, ok & robust, r, refuted
+        return ok, ok & solved.robust, r, refuted
 
     def _step2(
         self, directions: torch.Tensor, kernel: torch.Tensor, zero: torch.Tensor, active: torch.Tensor

@@ -158,6 +158,24 @@ def test_masked_kernels_match_the_svd(monkeypatch, seed, decades, gram):
     assert not got.degenerate.any()  # nothing asked
 
 
+def test_masked_kernels_solve_only_the_kept_rows(monkeypatch):
+    """Each mask's rows are gathered into a compact matrix (its row count rounded up to
+    ``MASK_HEIGHT_STEP``, at least b): the SVD sees 80 rows for a mask of 70 of 600, not 600,
+    and rows outside a mask have leverage exactly 0."""
+    A, masks = _kernel_batch(2, decades=6.0)  # ill-conditioned: the SVD path
+    heights = []
+    svd = torch.linalg.svd
+    monkeypatch.setattr(torch.linalg, "svd", lambda M, **kw: heights.append(M.shape[1]) or svd(M, **kw))
+    got = linalg.masked_kernels(A, masks[:8])
+    assert heights == [80]
+    heights.clear()
+    few = masks[:1] & (torch.arange(600) < 2)  # 2 rows of b = 40: height b (float32: the SVD)
+    linalg.masked_kernels(A.float(), few)
+    assert heights == [40]
+    assert not got.leverage[~masks[:8]].any()
+    assert (got.leverage[masks[:8]] > 0).all()
+
+
 def test_masked_kernels_of_exact_kernels_are_exact():
     """Where the masked rows share a one-dimensional kernel, the Gram path finds it to float64's
     rounding times the conditioning, as the SVD does."""
@@ -195,15 +213,22 @@ def test_masked_kernels_call_degenerate_only_what_surely_is():
             assert torch.allclose(got.singular_values[0, :-1], S[0, :-1], rtol=1e-9)
 
 
-def test_masked_kernels_keep_the_svd_for_other_dtypes_and_scale_freely():
-    """float32 takes the SVD as before, bit for bit; a factor scaled by 1e-200 (a Gram matrix
-    would underflow) gives the same kernel and the scaled singular values."""
+def test_masked_kernels_keep_the_svd_for_other_dtypes_and_scale_freely(monkeypatch):
+    """float32 takes the SVD (of the compact matrix: the reference's to float32 rounding), never
+    the Gram matrix; a factor scaled by 1e-200 (a Gram matrix would underflow) gives the same
+    kernel and the scaled singular values."""
     A, masks = _kernel_batch(5, decades=2.0)
     A32 = A.float()
+    eigh = torch.linalg.eigh
+    monkeypatch.setattr(torch.linalg, "eigh", lambda *a, **kw: pytest.fail("eigh in float32"))
     got = linalg.masked_kernels(A32, masks)
+    monkeypatch.setattr(torch.linalg, "eigh", eigh)
     kernel, S, leverage = _masked_reference(A32, masks)
-    assert torch.equal(got.kernel, kernel) and torch.equal(got.singular_values, S)
-    assert torch.equal(got.leverage, leverage)
+    sign = torch.sign((kernel * got.kernel).sum(dim=1, keepdim=True))
+    gap = (S[:, -2] - S[:, -1]) / S[:, 0]
+    assert ((got.kernel * sign - kernel).norm(dim=1) <= 1e-5 / gap).all()
+    assert torch.allclose(got.singular_values, S, rtol=1e-5, atol=1e-6 * float(S.max()))
+    assert (got.leverage - leverage).abs().max() <= 1e-5
     tiny = linalg.masked_kernels(A * 1e-200, masks)
     same = linalg.masked_kernels(A, masks)
     assert torch.allclose(tiny.kernel, same.kernel, atol=1e-15)

@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from spear.core import greedy
 from spear.core.filtering import CandidatePool, snap_and_filter, zero_mask
 from spear.core.greedy import greedy_filter, score, sparsest_basis, swap_sigmas
 from spear.core.lowrank import low_rank_split
@@ -421,9 +422,10 @@ def test_greedy_resumes_its_swaps_where_the_last_selection_ended(monkeypatch):
     assert memory.find(Pool(directions[:3])) is None
 
 
-def test_rank_one_swap_scores_equal_scoring_each_swap_afresh():
+def test_rank_one_swap_scores_equal_scoring_each_swap_afresh(monkeypatch):
     # the greedy's swap ranking (Sherman-Morrison updates of Qbar^-1) against score() per swap,
-    # with impostors, near-singular swaps and the tolerance-aware masks
+    # with impostors, near-singular swaps and the tolerance-aware masks; chunks of a few
+    # candidates (the split into chunks changes nothing)
     client = make_client(10, width=150, seed=35)
     *_, split, problem, Qt = layer_problem(client)
     g = torch.Generator().manual_seed(0)
@@ -437,6 +439,8 @@ def test_rank_one_swap_scores_equal_scoring_each_swap_afresh():
     free = torch.tensor([0, 1, 2, 3, 5])
     outside = torch.tensor([3, 4, 5, 6, 7, 8, 16])
     fast = swap_sigmas(problem, directions, masks, certain, 1e-9, current, free, outside)
+    monkeypatch.setattr(greedy, "SWAP_CHUNK_ELEMENTS", 3 * 10 * problem.R_Wt.shape[1])  # 3 a chunk
+    assert torch.equal(swap_sigmas(problem, directions, masks, certain, 1e-9, current, free, outside), fast)
     for i, pos in enumerate(free.tolist()):
         for j, new in enumerate(outside.tolist()):
             trial = current.clone()

@@ -491,6 +491,7 @@ class _Attack:
 
     def _absorb(self, snapped: SnapResult) -> None:
         fresh = self._peel(snapped)
+        snapped = self.search.settled(snapped)
         if fresh is not None and len(fresh):
             self.peeled.extend(fresh)  # certified: the result counts them whatever follows
         if self.setup.deadline.passed():

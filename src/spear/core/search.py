@@ -8,6 +8,7 @@ from dataclasses import replace
 
 import torch
 
+from spear.core.anchor import drifted_off_zeros, reanchor
 from spear.core.consistency import Tolerances
 from spear.core.filtering import (
     CandidatePool,
@@ -61,6 +62,8 @@ class ResidualSearch:
         #: whether to move to the residual problem at all (only when the search's own directions
         #: are peeled; samples peeled otherwise, e.g. from singleton neurons, only join the pool)
         self.follows_peeling = True
+        #: the last :meth:`snap`'s trailing directions that re-anchoring gave
+        self.anchored = 0
 
     @property
     def on_last_sample(self) -> bool:
@@ -76,10 +79,13 @@ class ResidualSearch:
         """Exact directions of the whole layer from a batch of proposals on the current one.
 
         On a residual problem the proposals are snapped there (their hints are row sets of its b'
-        dimensions) and lifted. The last sample's direction is forced (no search, so no false
+        dimensions) and lifted; the lifted ones that drifted off their own zeros are re-anchored
+        on the whole layer and snapped there too (:mod:`spear.core.anchor`, after the lifted
+        ones: ``anchored`` counts them, :meth:`settled` keeps those peeling certifies). The last sample's direction is forced (no search, so no false
         acceptance for the threshold to bound): it skips the threshold, and where it falls short
         (subtracting the peeled samples leaves ~1e-10 on true zeros) it is solved again exactly
         on the whole layer (``_resolve``)."""
+        self.anchored = 0
         threshold: int | torch.Tensor = 0 if self.on_last_sample else self.root.threshold_count
         if batch.confirmed is not None and batch.zero_hint is not None:
             kernel = self.ctx.batch_size - 1  # a confirmed hint needs only its kernel's rows
@@ -99,11 +105,43 @@ class ResidualSearch:
             return snapped
         lifted = lift(snapped, self.basis)
         if not self.on_last_sample:
-            return lifted
+            drifted = lifted.directions[drifted_off_zeros(self.root.L, lifted, tol.zero_rtol)]
+            known = torch.cat([known, lifted.zero_masks])
+            anchored = self._reanchored(drifted, tol, known)
+            self.anchored = anchored.directions.shape[0]
+            return SnapResult.concat([lifted, anchored])
         done = lifted.zero_counts >= self.root.threshold_count
         if bool(done.all()):
             return lifted
         return SnapResult.concat([lifted.select(done), self._resolve(lifted.select(~done), tol, known)])
+
+    def settled(self, snapped: SnapResult) -> SnapResult:
+        """The last :meth:`snap` after peeling, without the re-anchored directions peeling did
+        not certify (mixtures re-anchor too, and crowd the pool and the greedy swaps)."""
+        n, k = snapped.directions.shape[0], self.anchored
+        if not k:
+            return snapped
+        keep = torch.ones(n, dtype=torch.bool, device=snapped.directions.device)
+        keep[n - k :] = False if snapped.certified is None else snapped.certified[n - k :]
+        return snapped.select(keep)
+
+    def _reanchored(self, directions: torch.Tensor, tol: Tolerances, known: torch.Tensor) -> SnapResult:
+        """Directions (k, b) of the whole layer re-anchored there (:mod:`spear.core.anchor`: a
+        residual problem built from float32 peeled samples holds the others' directions only
+        to ~1e-3, and peeling refutes what it finds of them) and snapped exactly; those whose
+        zero set is new."""
+        anchored = reanchor(self.root.L, directions, deadline=self.root.deadline)
+        return snap_and_filter(
+            self.root.L,
+            anchored[torch.isfinite(anchored).all(dim=1)],
+            None,
+            self.root.threshold_count,
+            tol.zero_rtol,
+            known_masks=known,
+            zero_floor=tol.zero_floor,
+            rounding=self.root.rounding,
+            deadline=self.root.deadline,
+        )
 
     def _resolve(self, lifted: SnapResult, tol: Tolerances, known: torch.Tensor) -> SnapResult:
         """The last sample's lifted direction solved again exactly on its zero set in the whole

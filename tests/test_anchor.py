@@ -1,0 +1,86 @@
+"""Re-anchoring (spear.core.anchor): a direction found on an inexact residual problem, moved
+onto the exact direction of the whole layer."""
+
+import torch
+
+from spear.core.anchor import drifted_off_zeros, reanchor
+from spear.core.filtering import SnapResult, snap_and_filter, zero_mask
+
+
+def _layer(seed: int, m: int = 400, b: int = 40, zeros: int = 150, small: int = 12):
+    """A factor L (m, b) with one true column L q: exact zeros on ``zeros`` rows, ``small``
+    active entries of 1e-3 to 1e-2 of its largest (a trained layer's), the rest O(1)."""
+    g = torch.Generator().manual_seed(seed)
+    L = torch.randn(m, b, generator=g, dtype=torch.float64)
+    q = torch.randn(b, generator=g, dtype=torch.float64)
+    q = q / q.norm()
+    order = torch.randperm(m, generator=g)
+    zero_rows, small_rows = order[:zeros], order[zeros : zeros + small]
+    L[zero_rows] -= (L[zero_rows] @ q).unsqueeze(1) * q  # L_i q = 0
+    size = float((L @ q).abs().max())
+    target = size * torch.logspace(-3, -2, small, dtype=torch.float64)
+    L[small_rows] += (target - L[small_rows] @ q).unsqueeze(1) * q  # L_i q = target
+    return L, q, zero_rows, small_rows
+
+
+def _drifted(L, zero_rows, small_rows, keep: int = 100, wrong: int = 3):
+    """What an inexact residual problem hands back: a direction that vanishes on a few small
+    active rows (fitted exactly there, as the residual problem's kernel fits its zero set) and
+    nearly on part of the true zeros: the kernel of those rows, the active ones weighted 1e3."""
+    weight = torch.zeros(L.shape[0], dtype=torch.float64)
+    weight[zero_rows[:keep]] = 1.0
+    weight[small_rows[:wrong]] = 1e3
+    _, _, Vh = torch.linalg.svd(L * weight.unsqueeze(1), full_matrices=False)
+    return Vh[-1]
+
+
+def test_reanchoring_finds_the_exact_direction_a_drifted_one_approximates():
+    for seed in range(4):
+        L, q, zero_rows, small_rows = _layer(seed)
+        q0 = _drifted(L, zero_rows, small_rows)
+        q0 = q0 * torch.sign(q0 @ q)
+        assert 1e-9 < 1.0 - float(q0 @ q) < 1e-3  # near, not on it
+        moved = reanchor(L, q0[None])[0]
+        moved = moved * torch.sign(moved @ q)
+        assert 1.0 - float(moved @ q) <= 1e-14, seed
+        # the core's exact snapping then gives the true zero set and the direction to rounding
+        snapped = snap_and_filter(L, moved[None], None, 100, 1e-9)
+        assert snapped.directions.shape[0] == 1
+        assert set(snapped.zero_masks[0].nonzero()[:, 0].tolist()) == set(zero_rows.tolist())
+        assert 1.0 - float((snapped.directions[0] @ q).abs()) <= 1e-14
+
+
+def test_reanchoring_leaves_an_exact_direction_where_it_is():
+    L, q, _, _ = _layer(5)
+    moved = reanchor(L, q[None])[0]
+    assert 1.0 - float((moved @ q).abs()) <= 1e-14
+
+
+def test_reanchoring_without_enough_rows_in_its_band_gives_nan():
+    """Fewer than b - 1 rows near zero leave the fit undetermined: NaN, which snapping drops."""
+    L, q, _zero_rows, _ = _layer(6, zeros=10, small=0)
+    out = reanchor(L, q[None])
+    assert bool(torch.isnan(out).all())
+    assert snap_and_filter(L, out, None, 30, 1e-9).directions.shape[0] == 0
+
+
+def test_only_robust_directions_off_their_own_zeros_count_as_drifted():
+    L, q, zero_rows, small_rows = _layer(7)
+    exact = snap_and_filter(L, q[None], None, 100, 1e-4)
+    assert exact.directions.shape[0] == 1 and not bool(drifted_off_zeros(L, exact, 1e-4)[0])
+    q0 = _drifted(L, zero_rows, small_rows)[None]  # as lifted: its own zero set, no re-solve
+    mask = zero_mask(q0 @ L.T, 1e-4)
+    lifted = SnapResult(q0, mask, mask.sum(dim=1), robust=torch.ones(1, dtype=torch.bool))
+    assert bool(drifted_off_zeros(L, lifted, 1e-4)[0])
+    lifted.robust[0] = False  # a mixture's zero set has essential rows: not re-anchored
+    assert not bool(drifted_off_zeros(L, lifted, 1e-4)[0])
+
+
+def test_zero_mask_of_the_drifted_direction_misses_true_zeros():
+    """The premise: the drifted direction's own zero set (float32's 1e-4) is not the sample's."""
+    L, _q, zero_rows, small_rows = _layer(8)
+    q0 = _drifted(L, zero_rows, small_rows)
+    mask = zero_mask((q0 @ L.T)[None], 1e-4)[0]
+    true = torch.zeros_like(mask)
+    true[zero_rows] = True
+    assert bool((mask & ~true).any()) and bool((true & ~mask).any())

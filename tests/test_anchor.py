@@ -4,7 +4,10 @@ onto the exact direction of the whole layer."""
 import torch
 
 from spear.core.anchor import drifted_off_zeros, reanchor
+from spear.core.deadline import Deadline
 from spear.core.filtering import SnapResult, snap_and_filter, zero_mask
+from spear.core.proposers import ProposalContext
+from spear.core.search import ResidualSearch
 
 
 def _layer(seed: int, m: int = 400, b: int = 40, zeros: int = 150, small: int = 12):
@@ -84,3 +87,28 @@ def test_zero_mask_of_the_drifted_direction_misses_true_zeros():
     true = torch.zeros_like(mask)
     true[zero_rows] = True
     assert bool((mask & ~true).any()) and bool((true & ~mask).any())
+
+
+def test_reanchoring_stops_at_the_deadline():
+    """Past the deadline no chunk is solved: NaN, which snapping drops."""
+    L, _q, zero_rows, small_rows = _layer(9)
+    q0 = _drifted(L, zero_rows, small_rows)
+    assert bool(torch.isnan(reanchor(L, q0[None], deadline=Deadline(0.0))).all())
+
+
+def test_the_pool_keeps_only_the_reanchored_directions_peeling_certified():
+    """``ResidualSearch.settled``: the lifted directions stay whatever peeling said; of the
+    re-anchored ones (the snap's trailing ``anchored``), only the certified ones."""
+    L, _q, _, _ = _layer(10)
+    root = ProposalContext(L=L, batch_size=L.shape[1], threshold_count=50, generator=torch.Generator())
+    search = ResidualSearch(root)
+    directions = torch.eye(L.shape[1], dtype=L.dtype)[:5]
+    masks = torch.zeros(5, L.shape[0], dtype=torch.bool)
+    snapped = SnapResult(directions, masks, masks.sum(dim=1), robust=torch.ones(5, dtype=torch.bool))
+    snapped.certified = torch.tensor([False, True, False, True, False])
+    search.anchored = 3  # the last three came from re-anchoring
+    kept = search.settled(snapped)
+    assert torch.equal(kept.directions, directions[[0, 1, 3]])
+    assert kept.certified.tolist() == [False, True, True]
+    search.anchored = 0
+    assert search.settled(snapped).directions.shape[0] == 5

@@ -70,7 +70,8 @@ def reanchor(
     determine it (fewer than b - 1 of them); past ``deadline`` the chunks left stay NaN."""
     k, b = directions.shape
     out = torch.full_like(directions, torch.nan, dtype=L.dtype)
-    chunk = kernel_chunk(L.shape[0], b, KERNEL_CHUNK_ELEMENTS)
+    # a chunk's steps together do the work of one kernel chunk (the deadline is checked between)
+    chunk = max(1, kernel_chunk(L.shape[0], b, KERNEL_CHUNK_ELEMENTS) // steps)
     for part in torch.arange(k, device=L.device).split(chunk):
         if deadline.passed():
             break

@@ -81,8 +81,9 @@ class ResidualSearch:
         On a residual problem the proposals are snapped there (their hints are row sets of its b'
         dimensions) and lifted; the lifted ones that drifted off their own zeros are re-anchored
         on the whole layer and snapped there too (:mod:`spear.core.anchor`, after the lifted
-        ones: ``anchored`` counts them, :meth:`settled` keeps those peeling certifies). The last sample's direction is forced (no search, so no false
-        acceptance for the threshold to bound): it skips the threshold, and where it falls short
+        ones: ``anchored`` counts them, :meth:`settled` keeps those peeling certifies). The
+        last sample's direction is forced (no search, so no false acceptance for the threshold
+        to bound): it skips the threshold, and where it falls short
         (subtracting the peeled samples leaves ~1e-10 on true zeros) it is solved again exactly
         on the whole layer (``_resolve``)."""
         self.anchored = 0

@@ -34,7 +34,8 @@ from spear.core.linalg import solve_ex
 #: rows with ``|L q|`` at most this times its largest take part in the fit (a drifted float32
 #: direction misses its zeros by ~1e-3 of the column: well inside)
 ANCHOR_BAND = 1e-2
-#: IRLS steps (the measured float32 case reached the exact direction's zero set in 10)
+#: IRLS steps (eps then falls from 1e-2 to 1e-14 of the band's largest |L q|: the measured
+#: float32 case lands 5e-14 (1 - cos) from the sample's direction, on its 187 zeros)
 ANCHOR_STEPS = 12
 #: eps of the first IRLS step, relative to the largest ``|L q|`` in the band, and its decay per
 #: step (the fit's zeros are exact to about the last eps)

@@ -100,7 +100,15 @@ def test_the_pool_keeps_only_the_reanchored_directions_peeling_certified():
     """``ResidualSearch.settled``: the lifted directions stay whatever peeling said; of the
     re-anchored ones (the snap's trailing ``anchored``), only the certified ones."""
     L, _q, _, _ = _layer(10)
-    root = ProposalContext(L=L, batch_size=L.shape[1], threshold_count=50, generator=torch.Generator())
+    b = L.shape[1]
+    root = ProposalContext(
+        L=L,
+        batch_size=b,
+        threshold_count=50,
+        generator=torch.Generator(),
+        proposal_dtype=torch.float32,
+        found=torch.empty(0, b, dtype=L.dtype),
+    )
     search = ResidualSearch(root)
     directions = torch.eye(L.shape[1], dtype=L.dtype)[:5]
     masks = torch.zeros(5, L.shape[0], dtype=torch.bool)

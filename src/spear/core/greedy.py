@@ -294,7 +294,17 @@ class _SwapSweep:
     the signs and the band are read off ``|c'_j| z_j`` (one batched product per chunk, no
     division), which a positive factor leaves as they are."""
 
-    def __init__(self, problem, masks, certain_zero, z_rtol, current, outside, c, Y) -> None:
+    def __init__(
+        self,
+        problem: LayerProblem,
+        masks: torch.Tensor,
+        certain_zero: torch.Tensor | None,
+        z_rtol: float,
+        current: torch.Tensor,
+        outside: torch.Tensor,
+        c: torch.Tensor,
+        Y: torch.Tensor,
+    ) -> None:
         certain_all = masks if certain_zero is None else certain_zero
         b, rows = Y.shape
         self.c, self.z_rtol, self.size = c, z_rtol, b * rows

@@ -118,5 +118,7 @@ def test_the_pool_keeps_only_the_reanchored_directions_peeling_certified():
     kept = search.settled(snapped)
     assert torch.equal(kept.directions, directions[[0, 1, 3]])
     assert kept.certified.tolist() == [False, True, True]
-    search.anchored = 0
+    # once only: a probe's directions handed to peeling after the snap (the stall probe) are
+    # none of them re-anchored, and all stay (the review's case: a stale count dropped them)
+    assert search.anchored == 0
     assert search.settled(snapped).directions.shape[0] == 5

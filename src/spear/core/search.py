@@ -108,7 +108,8 @@ class ResidualSearch:
         if not self.on_last_sample:
             drifted = lifted.directions[drifted_off_zeros(self.root.L, lifted, tol.zero_rtol)]
             known = torch.cat([known, lifted.zero_masks])
-            anchored = self._reanchored(drifted, tol, known)
+            # what the whole layer's threshold dropped says nothing of the residual problem's
+            anchored = replace(self._reanchored(drifted, tol, known), dropped_sparsest=0)
             self.anchored = anchored.directions.shape[0]
             return SnapResult.concat([lifted, anchored])
         done = lifted.zero_counts >= self.root.threshold_count
@@ -118,8 +119,10 @@ class ResidualSearch:
 
     def settled(self, snapped: SnapResult) -> SnapResult:
         """The last :meth:`snap` after peeling, without the re-anchored directions peeling did
-        not certify (mixtures re-anchor too, and crowd the pool and the greedy swaps)."""
+        not certify (mixtures re-anchor too, and crowd the pool and the greedy swaps). Once
+        only: other results that reach peeling (the stall and sparsity probes) hold none."""
         n, k = snapped.directions.shape[0], self.anchored
+        self.anchored = 0
         if not k:
             return snapped
         keep = torch.ones(n, dtype=torch.bool, device=snapped.directions.device)

@@ -277,15 +277,16 @@ def swap_sigmas(
     for i, k in enumerate(free.tolist()):
         if deadline.passed():
             break
-        own = sweep.own_contradictions(k)
+        sweep.move_to(k)
         for part in torch.arange(outside.numel(), device=Y.device).split(chunk):
-            out[i, part] = sweep.sigmas(k, w_all[part], own[part])
+            out[i, part] = sweep.sigmas(part, w_all[part])
     return out
 
 
 class _SwapSweep:
     """:func:`swap_sigmas`' state: the current selection's scales ``c``, ``Y = Qbar^-1 R W^T``,
-    its columns' masks and pre-activations, and what the swaps at one position share.
+    its columns' masks and pre-activations, and what the swaps at the position ``k`` share
+    (:meth:`move_to`).
 
     An entry of a column contradicts the ReLU when its pre-activation is negative (beyond the
     band ``z_rtol * max |z|`` of its column) where dL/dZ is nonzero, or positive where dL/dZ is
@@ -314,19 +315,22 @@ class _SwapSweep:
         self.band_now = z_rtol * self.z_now.abs().amax(dim=1)
         self.basis = torch.stack([Y, Y, problem.bias.expand(b, rows)], dim=1)  # (b, 3, rows)
         self.Y = Y
+        self.k = -1
+        self.own = torch.empty(0, dtype=torch.long, device=Y.device)
 
-    def own_contradictions(self, k: int) -> torch.Tensor:
-        """(outside,) contradictions of column k with each candidate's masks; sets the basis
-        of the swaps at k."""
+    def move_to(self, k: int) -> None:
+        """The swaps at position k next: the basis of their products, and column k's
+        contradictions with each candidate's masks (``own``, (outside,))."""
+        self.k = k
         self.basis[:, 1] = self.Y[k]
         z, band = self.z_now[k], self.band_now[k]
         wrong = ((z < -band) & self.out_nonzero) | ((z > band) & self.out_certain)
-        return wrong.sum(dim=1)
+        self.own = wrong.sum(dim=1)
 
-    def sigmas(self, k: int, w: torch.Tensor, own: torch.Tensor) -> torch.Tensor:
-        """sigma (or -1) of swapping column k for each candidate whose ``Qbar^-1 v`` is a row
-        of ``w`` (S, b); ``own``: :meth:`own_contradictions` of those candidates."""
-        c = self.c
+    def sigmas(self, part: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """sigma (or -1) of swapping column k for the candidates ``part`` (indices into
+        ``outside``), whose ``Qbar^-1 v`` are the rows of ``w`` (S, b)."""
+        c, k = self.c, self.k
         pivot = w[:, k]
         shift = w.clone()
         shift[:, k] -= 1.0
@@ -339,7 +343,7 @@ class _SwapSweep:
         band = self.z_rtol * torch.maximum(high, -low)
         wrong = ((u < -band) & self.nonzero[:, None]) | ((u > band) & self.certain[:, None])
         per_column = wrong.sum(dim=2)  # (b, S); column k's counted with its own masks instead
-        contradictions = per_column.sum(dim=0) - per_column[k] + own
+        contradictions = per_column.sum(dim=0) - per_column[k] + self.own[part]
         sigma = (self.size - contradictions).to(torch.float64) / self.size
         valid = (pivot.abs() > SWAP_PIVOT_RTOL * w.norm(dim=1)) & torch.isfinite(c_new).all(dim=1)
         valid &= magnitude.amin(dim=1) > 1e-12 * magnitude.amax(dim=1).clamp_min(1e-300)

@@ -107,6 +107,8 @@ class ResidualSearch:
         lifted = lift(snapped, self.basis)
         if not self.on_last_sample:
             drifted = lifted.directions[drifted_off_zeros(self.root.L, lifted, tol.zero_rtol)]
+            if not drifted.shape[0]:
+                return lifted
             known = torch.cat([known, lifted.zero_masks])
             # what the whole layer's threshold dropped says nothing of the residual problem's
             anchored = replace(self._reanchored(drifted, tol, known), dropped_sparsest=0)

@@ -11,8 +11,12 @@ import spear
 from spear.core.deadline import Deadline
 from spear.core.proposers import MaskedSubspaceProposer, ProposalContext
 from spear.core.proposers.masked_subspace import (
+    ETA,
+    MIN_RUN,
     RATIO_FLOOR,
     PatternSearch,
+    _FlipState,
+    _most_repeated,
     applicable,
     explain_away,
     remainder_patterns,
@@ -133,6 +137,92 @@ def test_explain_away_removes_exactly_the_found_columns_a_feature_column_holds()
     from spear.core.deadline import Deadline
 
     assert explain_away(feature[None], unit, deadline=Deadline(0.0)) is None
+
+
+def _objective(search: PatternSearch, masks: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+    """The deflated objective of each pattern, recomputed from scratch (the reference)."""
+    y = masks.double() * h
+    return ((y @ search.P) ** 2 + ETA * y**2).sum(1) / ((y @ search.Pi) ** 2).sum(1)
+
+
+def test_flip_state_gains_and_updates_equal_the_objective_recomputed_from_scratch():
+    g = torch.Generator().manual_seed(3)
+    m, b, k, S = 40, 6, 3, 5
+    U = torch.linalg.qr(torch.randn(m, b, generator=g, dtype=torch.float64))[0]
+    search = PatternSearch(U, torch.randn(m, k, generator=g, dtype=torch.float64), U[:, :2].clone())
+    masks = torch.rand(S, m, generator=g) < 0.5
+    h = torch.randn(S, m, generator=g, dtype=torch.float64)
+    state = _FlipState(search, masks, h)
+    for _ in range(3):  # gains, a block of flips, and the running state after it
+        gain, improving, count = state.gains()
+        now = _objective(search, state.masks, h)
+        for i in range(m):
+            flipped = state.masks.clone()
+            flipped[:, i] ^= True
+            expected = now - _objective(search, flipped, h)
+            assert torch.allclose(gain[:, i], expected, rtol=1e-9, atol=1e-12 * float(now.max()))
+        assert torch.equal(count, improving.sum(1)) and torch.equal(improving, gain > 1e-12 * now[:, None])
+        rows = gain.topk(4, dim=1).indices
+        take = torch.rand(S, 4, generator=g) < 0.7
+        expected_masks = state.masks.clone()
+        expected_masks.scatter_(1, rows, expected_masks.gather(1, rows) ^ take)
+        state.apply(rows, take)
+        assert torch.equal(state.masks, expected_masks)
+        y = expected_masks.double() * h
+        assert torch.allclose(state.rt, torch.cat([y @ search.P, y @ search.Pi], 1), atol=1e-12)
+        assert torch.equal(state.y, y)
+    state.keep(torch.tensor([4, 1]))  # the patterns left keep their own state
+    assert torch.equal(state.live, torch.tensor([4, 1])) and torch.equal(state.masks, expected_masks[[4, 1]])
+    flipped = state.masks.clone()
+    flipped[:, 7] ^= True
+    expected = _objective(search, state.masks, h[[4, 1]]) - _objective(search, flipped, h[[4, 1]])
+    assert torch.allclose(state.gains()[0][:, 7], expected, rtol=1e-9, atol=1e-12)
+
+
+def _longest_run_reference(row: list[float], rtol: float) -> float:
+    """Mean of the first longest run of neighbours equal within rtol (NaNs last), or 0."""
+    best, best_mean, i, n = 0, 0.0, 0, len(row)
+    while i < n and row[i] == row[i]:
+        j = i
+        while j + 1 < n and row[j + 1] == row[j + 1] and abs(row[j + 1] - row[j]) <= rtol * abs(row[j + 1]):
+            j += 1
+        if j - i + 1 > best:
+            best, best_mean = j - i + 1, sum(row[i : j + 1]) / (j - i + 1)
+        i = j + 1
+    return best_mean if best >= MIN_RUN else 0.0
+
+
+def test_most_repeated_takes_the_first_longest_run_as_a_reference_scan_does():
+    g = torch.Generator().manual_seed(5)
+    rows = []
+    for case in range(40):
+        values = torch.randn(60, generator=g, dtype=torch.float64)
+        for _ in range(case % 4):  # planted runs, some of equal length (the first wins)
+            at = int(torch.randint(0, 50, (1,), generator=g))
+            length = int(torch.randint(MIN_RUN - 2, MIN_RUN + 4, (1,), generator=g))
+            jitter = 1e-12 * torch.randn(min(length, 60 - at), generator=g)
+            values[at : at + length] = values[at] * (1 + jitter)
+        values[torch.rand(60, generator=g) < 0.2] = float("nan")
+        rows.append(values.sort().values)
+    ordered = torch.stack(rows)
+    got = _most_repeated(ordered, 1e-9)
+    expected = torch.tensor([_longest_run_reference(r.tolist(), 1e-9) for r in ordered], dtype=torch.float64)
+    assert torch.allclose(got, expected, rtol=1e-12, atol=0) and int((expected != 0).sum()) >= 10
+
+
+def test_explain_away_leaves_zero_where_a_column_is_explained_whole():
+    g = torch.Generator().manual_seed(4)
+    m = 300
+    masks = torch.rand(3, m, generator=g) < 0.5
+    cols = torch.randn(3, m, generator=g, dtype=torch.float64) * masks
+    noisy = cols + 1e-17 * torch.randn(3, m, generator=g, dtype=torch.float64) * ~masks  # rounding off
+    unit = noisy / noisy.abs().amax(dim=1, keepdim=True)
+    zero = torch.zeros(m, dtype=torch.float64)
+    features = torch.stack([2.0 * cols[0] + 3.0 * cols[1], 0.5 * cols[2], zero])
+    rest = explain_away(features, unit, zero_rtol=1e-9)
+    assert torch.equal(rest, torch.zeros_like(rest))  # no rounding left to pass for a guess
+    # without the zero tolerance, the same columns keep their rounding
+    assert float(explain_away(features, unit).abs().max()) > 0
 
 
 def test_the_last_samples_inputs_give_their_exact_patterns(case):

@@ -133,6 +133,7 @@ class PatternSearch:
         V = torch.linalg.qr(found)[0] if found.shape[1] else found
         self.Pi = torch.eye(found.shape[0], dtype=self.U.dtype, device=self.U.device) - V @ V.T
         self.Pi_diag = self.Pi.diagonal().clone()
+        self.stacked = torch.cat([self.P, self.Pi], dim=1)  # one gather updates both residuals
         self.VB = (V[:, :, None] * self.B[:, None, :]).reshape(found.shape[0], -1)
 
     def fit(self, masks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -189,46 +190,89 @@ class PatternSearch:
         returns which patterns moved. Each step takes the best flips of every pattern, a
         quarter of its improving ones (at most ``MAX_BLOCK``, at least one): their interactions
         (off-diagonal entries of the projectors, about sqrt(b)/m) are small, and every step
-        recomputes the objective exactly from running residuals."""
-        tiny = torch.finfo(h.dtype).tiny
+        recomputes the objective exactly from running residuals (:class:`_FlipState`)."""
         moved = torch.zeros(masks.shape[0], dtype=torch.bool, device=masks.device)
-        live = torch.arange(masks.shape[0], device=masks.device)
-        state, h = masks[live], h[live]
-        y = state.to(h.dtype) * h
-        r = y - (y @ self.U) @ self.U.T  # P y
-        t = y @ self.Pi  # Pi y
-        h2 = h * h
+        state = _FlipState(self, masks, h)
         done = 0
-        while done < flips and live.numel():
-            rr, tt, yy = (r * r).sum(1), (t * t).sum(1), (y * y).sum(1)
-            now = (rr + ETA * yy) / tt.clamp_min(tiny)
-            sign = 1.0 - 2.0 * state.to(h.dtype)  # +1 switches a row on, -1 off
-            num = rr[:, None] + 2 * sign * h * r + h2 * self.P_diag + ETA * (yy[:, None] + sign * h2)
-            den = tt[:, None] + 2 * sign * h * t + h2 * self.Pi_diag
-            gain = now[:, None] - num / den.clamp_min(tiny)
-            improving = gain > 1e-12 * now[:, None]
-            count = improving.sum(1)
+        while done < flips and state.live.numel():
+            gain, improving, count = state.gains()
             still = count > 0
             if not bool(still.all()):  # finished patterns leave the loop
-                masks[live] = state
+                masks[state.live] = state.masks
                 keep = still.nonzero()[:, 0]
-                live, state, h, h2, r, t, y = (v[keep] for v in (live, state, h, h2, r, t, y))
-                sign, gain, improving, count = sign[keep], gain[keep], improving[keep], count[keep]
-                if live.numel() == 0:
+                state.keep(keep)
+                gain, improving, count = gain[keep], improving[keep], count[keep]
+                if state.live.numel() == 0:
                     break
             block = int(min(MAX_BLOCK, max(1, int(count.max()) // 4)))
             rows = gain.topk(block, dim=1).indices
             take = improving.gather(1, rows)
             take[:, 1:] &= torch.arange(1, block, device=h.device)[None, :] < (count[:, None] + 3) // 4
-            step = sign.gather(1, rows) * h.gather(1, rows) * take.to(h.dtype)  # (S, block)
-            r += torch.einsum("sb,sbm->sm", step, self.P[rows])
-            t += torch.einsum("sb,sbm->sm", step, self.Pi[rows])
-            state.scatter_(1, rows, state.gather(1, rows) ^ take)
-            y = state.to(h.dtype) * h
-            moved[live] = True
+            state.apply(rows, take)
+            moved[state.live] = True
             done += block
-        masks[live] = state
+        masks[state.live] = state.masks
         return moved
+
+
+class _FlipState:
+    """The running state of :meth:`PatternSearch._flip` for the patterns still moving.
+
+    Every flip's objective is closed-form in running quantities (per pattern: the residuals
+    ``r = P y`` and ``t = Pi y``, kept side by side as ``rt``; per row: ``2 s h``, with
+    ``s = +1`` switching the row on and -1 off, and the row's own terms ``h^2 P_ii + eta s h^2``
+    and ``h^2 Pi_ii``). A step updates them at the flipped rows only, ``rt`` by those rows of
+    the stacked projectors ``[P, Pi]``, so a step reads each (S, m) array a few times.
+    """
+
+    def __init__(self, search: PatternSearch, masks: torch.Tensor, h: torch.Tensor) -> None:
+        self.search = search
+        self.live = torch.arange(masks.shape[0], device=masks.device)
+        self.masks, self.h = masks.clone(), h
+        self.h2 = h * h
+        on = self.masks.to(h.dtype)
+        self.y = on * h
+        U = search.U
+        self.rt = torch.cat([self.y - (self.y @ U) @ U.T, self.y @ search.Pi], dim=1)  # [P y, Pi y]
+        sign = 1.0 - 2.0 * on
+        self.twice_sh = 2.0 * sign * h
+        self.own_num = self.h2 * (search.P_diag + ETA * sign)
+        self.own_den = self.h2 * search.Pi_diag
+
+    def keep(self, index: torch.Tensor) -> None:
+        """Keep only the patterns at ``index`` (positions among the live ones)."""
+        for name in ("live", "masks", "h", "h2", "y", "rt", "twice_sh", "own_num", "own_den"):
+            setattr(self, name, getattr(self, name)[index])
+
+    def gains(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Each row's gain (S, m) if flipped alone, whether it improves (S, m), how many do (S,)."""
+        m = self.h.shape[1]
+        r, t = self.rt[:, :m], self.rt[:, m:]
+        rr = torch.linalg.vecdot(r, r)
+        tt = torch.linalg.vecdot(t, t)
+        base = rr + ETA * torch.linalg.vecdot(self.y, self.y)
+        tiny = torch.finfo(self.h.dtype).tiny
+        now = base / tt.clamp_min(tiny)
+        num = torch.addcmul(self.own_num, self.twice_sh, r).add_(base[:, None])
+        den = torch.addcmul(self.own_den, self.twice_sh, t).add_(tt[:, None]).clamp_min_(tiny)
+        gain = torch.sub(now[:, None], num.div_(den))
+        improving = gain > 1e-12 * now[:, None]
+        return gain, improving, improving.sum(1)
+
+    def apply(self, rows: torch.Tensor, take: torch.Tensor) -> None:
+        """Flip ``rows`` (S, block) where ``take``; update the running quantities there."""
+        pattern, slot = take.nonzero(as_tuple=True)
+        row = rows[pattern, slot]
+        step = 0.5 * self.twice_sh[pattern, row]  # s h of each flip
+        change = self.search.stacked.index_select(0, row).mul_(step[:, None])  # rows of [P, Pi]
+        self.rt.index_add_(0, pattern, change)
+        flipped = self.masks.gather(1, rows) ^ take
+        self.masks.scatter_(1, rows, flipped)
+        h_rows, h2_rows = self.h.gather(1, rows), self.h2.gather(1, rows)
+        sign = 1.0 - 2.0 * flipped.to(self.h.dtype)
+        self.y.scatter_(1, rows, torch.where(flipped, h_rows, torch.zeros_like(h_rows)))
+        self.twice_sh.scatter_(1, rows, 2.0 * sign * h_rows)
+        self.own_num.scatter_(1, rows, h2_rows * (self.search.P_diag[rows] + ETA * sign))
 
 
 def _generalized_eigh(A: torch.Tensor, M: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -256,46 +300,76 @@ def explain_away(
     known: torch.Tensor,
     chunk: int = 8,
     rtol: float = RATIO_RTOL,
+    zero_rtol: float = 0.0,
     deadline: Deadline = NEVER,
 ) -> torch.Tensor | None:
     """Feature columns (n, m) minus the found columns of dL/dZ (f, m) each one contains,
     detected by a run of ``MIN_RUN`` equal ratios (module doc). Each component is read off the
     rows where its sample alone is active, which the others leave untouched, so they can be
     removed together, and columns explained before by other found directions are fine.
-    None when ``deadline`` passes first (thousands of photo pixels against a hundred found
-    columns take many seconds)."""
+
+    Entries within ``zero_rtol`` of a column's largest count as zero: ratios are taken on a
+    found column's active rows only (its zero set's rounding holds no run), and what is left
+    of a feature column there is the rounding of what was explained, set to 0 (a column
+    explained whole becomes 0, not a guess made of rounding). A zero feature column holds no
+    sample and is skipped. None when ``deadline`` passes first (thousands of photo
+    pixels against a hundred found columns take many seconds)."""
     if known.shape[0] == 0 or columns.shape[0] == 0:
         return columns
-    f, m = known.shape
-    nan = torch.tensor(float("nan"), dtype=columns.dtype, device=columns.device)
     tiny = torch.finfo(columns.dtype).tiny
-    denominators = torch.where(known.abs() > tiny, known, nan)
-    parts = []
-    for v in columns.split(chunk):
+    rows, denominators = _active_rows(known, zero_rtol)
+    nan = torch.full((columns.shape[0], 1), float("nan"), dtype=columns.dtype, device=columns.device)
+    padded = torch.cat([columns, nan], dim=1)  # rows[] pads with index m: NaN
+    result = columns.clone()
+    for index in (columns != 0).any(dim=1).nonzero()[:, 0].split(chunk):
         if deadline.passed():
             return None
-        c = v.shape[0]
-        ratio = torch.where(v.abs()[:, None, :] > tiny, v[:, None, :] / denominators, nan)
-        values = ratio.reshape(c * f, m).sort(dim=1).values  # NaNs last
-        weight = _most_repeated(values, rtol).reshape(c, f)
-        parts.append(v - weight @ known)
-    return torch.cat(parts)
+        values = padded[index][:, rows]  # (c, f, width)
+        ratio = torch.where(values.abs() > tiny, values / denominators, torch.nan)
+        ordered = ratio.reshape(-1, rows.shape[1]).sort(dim=1).values  # NaNs last
+        weight = _most_repeated(ordered, rtol).reshape(index.shape[0], -1)
+        v = columns[index]
+        rest = v - weight @ known
+        explained = weight.ne(0).any(dim=1, keepdim=True)
+        floor = zero_rtol * v.abs().amax(dim=1, keepdim=True)
+        result[index] = torch.where(explained & (rest.abs() <= floor), torch.zeros_like(rest), rest)
+    return result
+
+
+def _active_rows(known: torch.Tensor, zero_rtol: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each found column's active rows (f, width; padded with the index m) and its values there
+    (padded with NaN); width is the most active rows any of them has."""
+    f, m = known.shape
+    size = known.abs()
+    floor = (zero_rtol * size.amax(dim=1, keepdim=True)).clamp_min(torch.finfo(known.dtype).tiny)
+    active = size > floor
+    width = max(1, int(active.sum(dim=1).max()))
+    order = torch.argsort((~active).to(torch.uint8), dim=1, stable=True)[:, :width]
+    rows = torch.where(active.gather(1, order), order, m)
+    values = torch.cat([known, known.new_full((f, 1), float("nan"))], dim=1).gather(1, rows)
+    return rows, values
 
 
 def _most_repeated(values: torch.Tensor, rtol: float = RATIO_RTOL) -> torch.Tensor:
-    """For each sorted row (NaNs last), the value repeated (within ``rtol``) most often,
-    if at least ``MIN_RUN`` times, else 0."""
+    """For each sorted row (NaNs last), the mean of the longest run of values equal within
+    ``rtol`` of their neighbours (the first such run on ties), if at least ``MIN_RUN`` long,
+    else 0. Runs are read off one cumulative count: a position's run length is its count of
+    links minus the count at its run's start (the running maximum over the breaks before it)."""
     rows, n = values.shape
     valid = ~torch.isnan(values)
-    same = valid[:, 1:] & valid[:, :-1]
-    same &= (values[:, 1:] - values[:, :-1]).abs() <= rtol * values[:, 1:].abs()
-    group = torch.cat([torch.zeros(rows, 1, dtype=torch.long, device=values.device), (~same).cumsum(1)], 1)
-    flat = (group + n * torch.arange(rows, device=values.device)[:, None])[valid]
-    counts = torch.bincount(flat, minlength=rows * n).reshape(rows, n)
-    sums = torch.zeros(rows * n, dtype=values.dtype, device=values.device)
-    sums = sums.index_add_(0, flat, values[valid]).reshape(rows, n)
-    size, which = counts.max(dim=1)
-    mean = sums.gather(1, which[:, None])[:, 0] / size.clamp_min(1)
+    link = valid[:, 1:] & valid[:, :-1]
+    link &= (values[:, 1:] - values[:, :-1]).abs() <= rtol * values[:, 1:].abs()
+    links = torch.zeros(rows, n, dtype=torch.long, device=values.device)
+    torch.cumsum(link, dim=1, out=links[:, 1:])
+    starts = torch.ones(rows, n, dtype=torch.bool, device=values.device)
+    starts[:, 1:] = ~link
+    start_links = torch.where(starts, links, torch.zeros_like(links)).cummax(dim=1).values
+    length = torch.where(valid, links - start_links + 1, torch.zeros_like(links))
+    size, end = length.max(dim=1)
+    position = torch.arange(n, device=values.device)[None, :]
+    inside = (position <= end[:, None]) & (position > (end - size)[:, None])
+    total = torch.where(inside, values, torch.zeros_like(values)).sum(dim=1)
+    mean = total / size.clamp_min(1)
     return torch.where(size >= MIN_RUN, mean, torch.zeros_like(mean))
 
 
@@ -431,7 +505,7 @@ class MaskedSubspaceProposer(DirectionProposer):
             rtol = max(RATIO_RTOL, RATIO_ZERO_SHARE * ctx.zero_rtol)
             before = self.columns
             unit = known / known.abs().amax(dim=1, keepdim=True)
-            after = explain_away(before, unit, rtol=rtol, deadline=ctx.deadline)
+            after = explain_away(before, unit, rtol=rtol, zero_rtol=ctx.zero_rtol, deadline=ctx.deadline)
             if after is None:  # out of time: the run ends, nothing half-explained is kept
                 return
             self.columns, self.explained = after, found.shape[0]

@@ -90,6 +90,30 @@ def test_greedy_sweeps_stop_at_the_deadline():
     assert bool((cut == -1.0).all())
 
 
+def test_swaps_ranked_afresh_stop_at_the_deadline(monkeypatch):
+    """Where the rank-one updates cannot rank (input mode, or a singular selection), every
+    swap is scored outright; that ranking stops at the deadline too (photos32 b = 256 ran 38 s
+    past a 240 s budget in it)."""
+    from spear.core import greedy
+    from tests.test_core_units import layer_problem
+
+    client = make_client(8, width=200, seed=7)
+    *_, split, problem, Qt = layer_problem(client)
+    directions = torch.cat([Qt.T[:1], Qt.T])  # candidate 0 duplicates candidate 1
+    masks = zero_mask(directions @ split.L.T, 1e-9)
+    current = torch.arange(8)  # holds both copies: singular, so swap_sigmas gives way
+    free, outside = torch.arange(8), torch.tensor([8])
+    assert swap_sigmas(problem, directions, masks, None, 0.0, current, free, outside) is None
+    scored = []
+    score = greedy.score
+    monkeypatch.setattr(greedy, "score", lambda *a, **k: scored.append(1) or score(*a, **k))
+    swap = greedy._best_swap(problem, directions, masks, None, 0.0, current, free, outside, 0.0)
+    assert swap is not None and float(swap[1][0][0]) == 1.0 and scored
+    scored.clear()
+    late = greedy._best_swap(problem, directions, masks, None, 0.0, current, free, outside, 0.0, PASSED)
+    assert late is None and not scored
+
+
 def _context(problem, deadline: Deadline) -> ProposalContext:
     """A proposal context on the 40-sample client's problem with this deadline."""
     return ProposalContext(

@@ -221,6 +221,10 @@ def test_explain_away_leaves_zero_where_a_column_is_explained_whole():
     features = torch.stack([2.0 * cols[0] + 3.0 * cols[1], 0.5 * cols[2], zero])
     rest = explain_away(features, unit, zero_rtol=1e-9)
     assert torch.equal(rest, torch.zeros_like(rest))  # no rounding left to pass for a guess
+    # a column with a faint sample left keeps what is left, its rounding included
+    partial = explain_away((2.0 * cols[0] + 1e-3 * cols[1])[None], unit[:1], zero_rtol=1e-9)[0]
+    assert torch.allclose(partial, 1e-3 * cols[1], rtol=0, atol=1e-14)
+    assert bool((partial[~masks[1]] != 0).any())  # rounding where sample 1 is zero: not cleared
     # without the zero tolerance, the same columns keep their rounding
     assert float(explain_away(features, unit).abs().max()) > 0
 

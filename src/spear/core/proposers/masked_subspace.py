@@ -309,11 +309,11 @@ def explain_away(
     removed together, and columns explained before by other found directions are fine.
 
     Entries within ``zero_rtol`` of a column's largest count as zero: ratios are taken on a
-    found column's active rows only (its zero set's rounding holds no run), and what is left
-    of a feature column there is the rounding of what was explained, set to 0 (a column
-    explained whole becomes 0, not a guess made of rounding). A zero feature column holds no
-    sample and is skipped. None when ``deadline`` passes first (thousands of photo
-    pixels against a hundred found columns take many seconds)."""
+    found column's active rows only (its zero set's rounding holds no run), and a feature
+    column explained down to that is explained whole: it becomes 0, not a pattern guess made
+    of rounding. A zero feature column holds no sample and is skipped. None when ``deadline``
+    passes first (thousands of photo pixels against a hundred found columns take many
+    seconds)."""
     if known.shape[0] == 0 or columns.shape[0] == 0:
         return columns
     tiny = torch.finfo(columns.dtype).tiny
@@ -330,9 +330,9 @@ def explain_away(
         weight = _most_repeated(ordered, rtol).reshape(index.shape[0], -1)
         v = columns[index]
         rest = v - weight @ known
-        explained = weight.ne(0).any(dim=1, keepdim=True)
-        floor = zero_rtol * v.abs().amax(dim=1, keepdim=True)
-        result[index] = torch.where(explained & (rest.abs() <= floor), torch.zeros_like(rest), rest)
+        whole = rest.abs().amax(dim=1) <= zero_rtol * v.abs().amax(dim=1)
+        rest[whole & weight.ne(0).any(dim=1)] = 0.0  # explained whole: what is left is rounding
+        result[index] = rest
     return result
 
 

@@ -225,6 +225,13 @@ def test_explain_away_leaves_zero_where_a_column_is_explained_whole():
     partial = explain_away((2.0 * cols[0] + 1e-3 * cols[1])[None], unit[:1], zero_rtol=1e-9)[0]
     assert torch.allclose(partial, 1e-3 * cols[1], rtol=0, atol=1e-14)
     assert bool((partial[~masks[1]] != 0).any())  # rounding where sample 1 is zero: not cleared
+    # at float32's tolerances (the proposer passes zero_rtol 1e-4 and ratios equal to 1e-6)
+    rough = cols * (1 + 1e-7 * torch.randn(3, m, generator=g, dtype=torch.float64))
+    rough_unit = rough / rough.abs().amax(dim=1, keepdim=True)
+    both = torch.stack([2.0 * cols[0] + 3.0 * cols[1], 2.0 * cols[0] + 1e-3 * cols[2]])
+    rest = explain_away(both, rough_unit[:2], rtol=1e-6, zero_rtol=1e-4)
+    assert torch.equal(rest[0], torch.zeros(m, dtype=torch.float64))
+    assert torch.allclose(rest[1], 1e-3 * cols[2], rtol=0, atol=1e-5 * float(both[1].abs().max()))
     # without the zero tolerance, the same columns keep their rounding
     assert float(explain_away(features, unit).abs().max()) > 0
 

@@ -114,6 +114,27 @@ def test_swaps_ranked_afresh_stop_at_the_deadline(monkeypatch):
     assert late is None and not scored
 
 
+def test_pattern_flips_stop_at_the_deadline():
+    """The known-head search checks the deadline between its flip steps, not only between
+    sweeps (one call of 128 guesses ran 2 s past a 30 s budget on a loaded machine)."""
+    from spear.core.proposers.masked_subspace import PatternSearch
+
+    g = torch.Generator().manual_seed(3)
+    m, b, k, S = 60, 8, 3, 4
+    U = torch.linalg.qr(torch.randn(m, b, generator=g, dtype=torch.float64))[0]
+    search = PatternSearch(U, torch.randn(m, k, generator=g, dtype=torch.float64), U[:, :0])
+    masks = torch.rand(S, m, generator=g) < 0.5
+    h = torch.randn(S, m, generator=g, dtype=torch.float64)
+    free = masks.clone()
+    assert bool(search._flip(free, h, 400).all())  # every pattern improves at first
+    late = masks.clone()
+    assert not bool(search._flip(late, h, 400, PASSED).any()) and torch.equal(late, masks)
+    one_step = masks.clone()
+    search._flip(one_step, h, 400, _PassesAfter(1))  # one step, then the deadline
+    changed = int((one_step != masks).sum())
+    assert 0 < changed < int((free != masks).sum())
+
+
 def _context(problem, deadline: Deadline) -> ProposalContext:
     """A proposal context on the 40-sample client's problem with this deadline."""
     return ProposalContext(

@@ -176,7 +176,7 @@ class PatternSearch:
             if live.numel() == 0:
                 break
             part = masks[live]
-            moved = self._flip(part, delta @ self.B.T, flips)
+            moved = self._flip(part, delta @ self.B.T, flips, deadline)
             masks[live] = part
             live = live[moved]
             if live.numel() == 0:
@@ -185,16 +185,20 @@ class PatternSearch:
             _, plain[live], ratio[live] = self.fit(masks[live])
         return masks, ratio, plain
 
-    def _flip(self, masks: torch.Tensor, h: torch.Tensor, flips: int) -> torch.Tensor:
+    def _flip(
+        self, masks: torch.Tensor, h: torch.Tensor, flips: int, deadline: Deadline = NEVER
+    ) -> torch.Tensor:
         """Up to ``flips`` improving flips per pattern at fixed values ``h`` (S, m), in place;
         returns which patterns moved. Each step takes the best flips of every pattern, a
         quarter of its improving ones (at most ``MAX_BLOCK``, at least one): their interactions
         (off-diagonal entries of the projectors, about sqrt(b)/m) are small, and every step
-        recomputes the objective exactly from running residuals (:class:`_FlipState`)."""
+        recomputes the objective exactly from running residuals (:class:`_FlipState`). Past
+        ``deadline`` no further step starts (a call can take hundreds of steps, seconds on a
+        loaded machine)."""
         moved = torch.zeros(masks.shape[0], dtype=torch.bool, device=masks.device)
         state = _FlipState(self, masks, h)
         done = 0
-        while done < flips and state.live.numel():
+        while done < flips and state.live.numel() and not deadline.passed():
             gain, improving, count = state.gains()
             still = count > 0
             if not bool(still.all()):  # finished patterns leave the loop

@@ -8,7 +8,7 @@ unselected candidate) that raises sigma most, until no swap helps or sigma = 1.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -125,6 +125,28 @@ def sparsest_basis(
     return None
 
 
+def _scored_chunks(
+    problem: LayerProblem,
+    directions: torch.Tensor,
+    masks: torch.Tensor,
+    sets: torch.Tensor,
+    certain_zero: torch.Tensor | None,
+    z_rtol: float,
+    deadline: Deadline = NEVER,
+) -> Iterator[tuple[torch.Tensor, tuple]]:
+    """Candidate index sets (S, b) scored in memory-bounded chunks: for each chunk, its
+    positions in ``sets`` and :func:`score`'s result. Past ``deadline`` no further chunk is
+    scored."""
+    b, rows = directions.shape[1], masks.shape[1]
+    chunk = max(1, SCORE_CHUNK_ELEMENTS // (b * rows))
+    for part in torch.arange(sets.shape[0], device=sets.device).split(chunk):
+        if deadline.passed():
+            return
+        s = sets[part]
+        zeros = None if certain_zero is None else certain_zero[s]
+        yield part, score(problem, directions[s].transpose(1, 2), masks[s], zeros, z_rtol)
+
+
 def _score_sets(
     problem: LayerProblem,
     directions: torch.Tensor,
@@ -133,19 +155,8 @@ def _score_sets(
     certain_zero: torch.Tensor | None,
     z_rtol: float,
 ):
-    """Score candidate index sets (S, b) in memory-bounded chunks."""
-    b, rows = directions.shape[1], masks.shape[1]
-    chunk = max(1, SCORE_CHUNK_ELEMENTS // (b * rows))
-    out = [
-        score(
-            problem,
-            directions[s].transpose(1, 2),
-            masks[s],
-            None if certain_zero is None else certain_zero[s],
-            z_rtol,
-        )
-        for s in sets.split(chunk)
-    ]
+    """Score candidate index sets (S, b) in memory-bounded chunks (:func:`_scored_chunks`)."""
+    out = [scored for _, scored in _scored_chunks(problem, directions, masks, sets, certain_zero, z_rtol)]
     return tuple(torch.cat(parts) for parts in zip(*out, strict=True))
 
 
@@ -158,17 +169,13 @@ def _rank_afresh(
     z_rtol: float,
     deadline: Deadline = NEVER,
 ) -> torch.Tensor:
-    """sigma of each index set (S, b), each scored outright in :func:`_score_sets`' chunks (the
+    """sigma of each index set (S, b), each scored outright in :func:`_scored_chunks` (the
     swaps of input mode, and of a selection too ill-conditioned for :func:`swap_sigmas`). Past
     ``deadline`` the sets not scored yet stay at -1 (photos32 b = 256: one such ranking held an
     attack 38 s past its 240 s budget)."""
-    b, rows = directions.shape[1], masks.shape[1]
-    chunk = max(1, SCORE_CHUNK_ELEMENTS // (b * rows))
     out = torch.full((sets.shape[0],), -1.0, dtype=torch.float64, device=directions.device)
-    for part in torch.arange(sets.shape[0], device=sets.device).split(chunk):
-        if deadline.passed():
-            break
-        out[part] = _score_sets(problem, directions, masks, sets[part], certain_zero, z_rtol)[0].to(out.dtype)
+    for part, scored in _scored_chunks(problem, directions, masks, sets, certain_zero, z_rtol, deadline):
+        out[part] = scored[0].to(out.dtype)
     return out
 
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -216,3 +216,50 @@ def low_rank_split(
     return LowRankSplit(
         L=L, R=R, batch_size=b, singular_values=S, rank_rtol=rtol, numerical_rank=estimate, from_gap=from_gap
     )
+
+
+def equilibrated_split(
+    grad_weight: torch.Tensor,
+    *,
+    batch_size: int | None = None,
+    rank_rtol: float | None = None,
+    source_dtype: torch.dtype | None = None,
+) -> LowRankSplit:
+    """:func:`low_rank_split` with the batch size and the row space read off the
+    row-equilibrated gradient (every row of dL/dW divided by its norm), for gradients whose
+    noise is rounding.
+
+    A gradient computed in low precision carries each entry's rounding relative to that entry's
+    own terms, so its noise is relative per row, not per matrix. A trained network's
+    well-classified samples have columns of dL/dZ far below the largest. In the plain spectrum
+    they sink into the large rows' rounding: a float32 CNN head trained 1000 steps (MNIST,
+    b = 16) has ``s_16 / s_1 = 2.5e-8``, a fifth of float32's eps, next to ``s_17 / s_1 =
+    9.3e-9``, so no rank rule can find the batch; equilibrated, ``s_16 / s_1 = 2.4e-4`` and
+    ``s_17 / s_1 = 8.1e-9``. Where the plain SVD puts a faint sample's input 1e-3 off its row
+    space (float32 MLP, 1000 steps, a column 2e-6 of the largest), the equilibrated one holds it
+    to 1e-5. ``L`` and ``R`` are then the SVD of dL/dW projected on that row space: each row of
+    ``L`` keeps its own precision, the factors their form (``L = U S^1/2``, ``R = S^1/2 V^T``)
+    and their zero sets their scale (a column's zeros are judged against its own largest entry,
+    which equilibrated rows would shrink wherever a strong sample shares them). The singular
+    values stay the plain gradient's (the batch's from the projection), for the rounding
+    models that read them.
+
+    A gradient whose equilibrated spectrum is noisy (DP-SGD adds noise of one size to every
+    row, which dividing by small rows would inflate) or has no rank below the layer's gets the
+    plain split."""
+    norms = grad_weight.norm(dim=1, keepdim=True)
+    scaled = grad_weight / torch.where(norms > 0, norms, torch.ones_like(norms))
+    kwargs = {"batch_size": batch_size, "rank_rtol": rank_rtol, "source_dtype": source_dtype}
+    try:
+        equilibrated = low_rank_split(scaled, **kwargs)
+    except RankError:
+        equilibrated = None
+    if equilibrated is None or equilibrated.noisy:
+        return low_rank_split(grad_weight, **kwargs)
+    b = equilibrated.batch_size
+    Vh = equilibrated.R / equilibrated.singular_values[:b, None].sqrt()
+    U, S, Wh = torch.linalg.svd(grad_weight @ Vh.T, full_matrices=False)
+    singular_values = torch.linalg.svdvals(grad_weight)
+    singular_values[:b] = S
+    root = S.sqrt()
+    return replace(equilibrated, L=U * root, R=root[:, None] * (Wh @ Vh), singular_values=singular_values)

@@ -41,7 +41,7 @@ from spear.core.filtering import (
 )
 from spear.core.greedy import RANK_RTOL, Selection, greedy_filter, score
 from spear.core.input_peeling import InputSidePeeler
-from spear.core.lowrank import LowRankSplit, low_rank_split
+from spear.core.lowrank import LOW_PRECISION_EPS, LowRankSplit, equilibrated_split, low_rank_split
 from spear.core.peeling import PeeledSamples, SamplePeeler, mutually_consistent
 from spear.core.polish import MAX_TURN, Polished, polish_directions
 from spear.core.proposers import (
@@ -189,7 +189,8 @@ class AttackSetup:
             columns = layer.grad_weight.norm(dim=0)
             live_inputs = columns > DEAD_ROW_RTOL * columns.max()
         grad_weight = layer.grad_weight[live][:, live_inputs]
-        split = low_rank_split(
+        low_precision = torch.finfo(source_dtype).eps > LOW_PRECISION_EPS
+        split = (equilibrated_split if low_precision else low_rank_split)(
             grad_weight,
             batch_size=options.batch_size,
             rank_rtol=options.rank_rtol,

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import spear
+from spear.core.diagnosis import faint_batch_note
 from spear.core.lowrank import equilibrated_split, low_rank_split
 from spear.fl import feature_layer, pretrain, simulate_fedsgd, small_cnn
 
@@ -65,6 +66,19 @@ def test_a_faint_sample_with_rows_of_its_own_is_not_verified_away(seed=0):
     rec = spear.reconstruct(W, bias, grad_weight, grad_bias, seed=0, max_proposals=20_000)
     assert rec.batch_size == 8
     assert not rec.verified
+    # and it says why a larger budget may not help: the faint sample is near the rounding
+    assert any("near the gradient's rounding" in note for note in rec.notes)
+    assert "a larger budget may not help" in rec.message
+
+
+def test_the_faint_batch_note_follows_the_rounding_estimate():
+    S = torch.tensor([1.0, 0.5, 1e-3, 1e-9])
+    eps = torch.finfo(torch.float32).eps
+    assert faint_batch_note(S, 3, eps, 1e-3) is None  # eps / 1e-3 = 1.2e-4: resolvable
+    note = faint_batch_note(torch.tensor([1.0, 0.5, 4e-5, 1e-9]), 3, eps, 1e-3)
+    assert note is not None and "only to about 3e-03" in note
+    assert "not at all" in faint_batch_note(torch.tensor([1.0, 1e-8, 1e-9]), 2, eps, 1e-3)
+    assert faint_batch_note(S, 3, torch.finfo(torch.float64).eps, 1e-8) is None
 
 
 def test_a_noisy_gradient_keeps_the_plain_split():
@@ -98,3 +112,22 @@ def test_a_trained_float32_cnn_head_gets_its_batch_size(mnist):
     assert equilibrated_split(live, source_dtype=torch.float32, batch_size=16).batch_size == 16
     rec = spear.attack_layer(view.model, layer, view.gradients, seed=0, max_proposals=64)
     assert rec.batch_size == 16
+
+
+def test_noise_of_one_size_below_the_rank_keeps_the_plain_split():
+    """Noise of one size on every entry, too small to fill the rank (compression; a float32
+    FedAvg update, whose weight difference is rounded relative to the weights), is inflated on
+    the small rows by equilibrating: the spectrum beyond the batch rises above rounding, and
+    the plain split, which holds such a row space better, is taken (review of issue #10: with
+    rows spread over 1e-3..1 and noise 1e-6 of the largest entry, the equilibrated split read
+    b = 148 for 6 samples, or verified inputs 5.9e-3 off)."""
+    _, _, _, grad_weight, _ = relu_layer(0)
+    g = torch.Generator().manual_seed(2)
+    rows = 10 ** (-3 * torch.rand(grad_weight.shape[0], generator=g, dtype=torch.float64))
+    spread = grad_weight.double() * rows[:, None]
+    live = spread.norm(dim=1) > 0
+    noise = torch.randn(spread.shape, generator=g, dtype=torch.float64) * live[:, None]
+    noisy = (spread + 1e-6 * float(spread.abs().max()) * noise).float().double()
+    ours = equilibrated_split(noisy, source_dtype=torch.float32)
+    plain = low_rank_split(noisy, source_dtype=torch.float32)
+    assert torch.equal(ours.R, plain.R) and ours.batch_size == plain.batch_size

@@ -27,6 +27,7 @@ from spear.core.diagnosis import (
     PROBE_AFTER_CALLS,
     adapted_threshold,
     below_threshold_note,
+    faint_batch_note,
     no_sparsity_message,
     probe_sparse_directions,
     relu_sparse,
@@ -1055,10 +1056,15 @@ def finish(
         dead_neurons=int((~setup.live).sum()),
         certificate_seconds=gate.seconds,
     )
+    faint = None
+    if (verdict is None or not verdict.verified) and not setup.split.noisy:
+        eps = torch.finfo(setup.source_dtype).eps
+        faint = faint_batch_note(setup.split.singular_values, b, eps, setup.tol.verify_rtol)
     notes = tuple(
         ([] if attack is None else attack.notes)
         + ([] if gate.note is None else [gate.note])
         + ([] if verdict is None else verdict.notes)
+        + ([] if faint is None else [faint])
     )
     common = {
         "batch_size": b,
@@ -1071,6 +1077,7 @@ def finish(
         "notes": notes,
     }
     peeled_note = f"; {len(peeled)} sample(s) recovered and certified one by one" if len(peeled) else ""
+    more_budget = "a larger budget may not help (notes)" if faint else "raise max_proposals or time_budget"
     drawn = stats.proposals
     if selection is None:
         return Reconstruction(
@@ -1085,7 +1092,7 @@ def finish(
             message=(
                 f"not recovered: {stats.candidates} exact candidate direction(s) found, fewer than the "
                 f"b={b} independent ones needed ({reason} after {drawn:,} proposals)"
-                f"{peeled_note}; raise max_proposals or time_budget"
+                f"{peeled_note}; {more_budget}"
             ),
             **common,
         )

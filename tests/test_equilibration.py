@@ -131,3 +131,20 @@ def test_noise_of_one_size_below_the_rank_keeps_the_plain_split():
     ours = equilibrated_split(noisy, source_dtype=torch.float32)
     plain = low_rank_split(noisy, source_dtype=torch.float32)
     assert torch.equal(ours.R, plain.R) and ours.batch_size == plain.batch_size
+
+
+def test_rows_of_rounding_alone_do_not_count_as_samples():
+    """A few dead rows holding only rounding (1e-9 of the largest entry) are unit rows once
+    equilibrated, each a rank of its own: the equilibrated batch would grow by them (b = 7 for 4
+    in the review of issue #10, unverified, where the plain split verifies the 4). More extra
+    samples than a few faint ones take the plain split."""
+    _, _, _, grad_weight, _ = relu_layer(0)
+    clean = grad_weight.double()
+    g = torch.Generator().manual_seed(3)
+    noise = torch.randn(6, clean.shape[1], generator=g, dtype=torch.float64)
+    noise_rows = 1e-9 * float(clean.abs().max()) * noise
+    rows = torch.cat([clean, noise_rows]).float().double()
+    ours = equilibrated_split(rows, source_dtype=torch.float32)
+    plain = low_rank_split(rows, source_dtype=torch.float32)
+    assert ours.batch_size == plain.batch_size
+    assert torch.equal(ours.R, plain.R)

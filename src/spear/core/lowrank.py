@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 
 import torch
@@ -224,6 +225,15 @@ def low_rank_split(
 EQUILIBRATED_FLOOR_EPS = 1.0
 
 
+#: the equilibrated batch may exceed the plain rank by this many samples, or this fraction of
+#: it (faint samples sunk below the large rows' rounding are the batch's last few); beyond
+#: that, the extra rank comes from rows that are rounding alone (rows of near-duplicate
+#: samples that cancel, or a few rows of noise: b = 14-28 for 4 in the review of issue #10),
+#: and the plain split is taken
+EXTRA_FAINT_MIN = 2
+EXTRA_FAINT_FRACTION = 0.25
+
+
 def _rounding_floor(split: LowRankSplit, source_dtype: torch.dtype | None) -> bool:
     """Whether the spectrum beyond the batch is rounding relative per row. Noise of one size on
     every entry (compression, a FedAvg update's weight difference rounded relative to the
@@ -264,9 +274,11 @@ def equilibrated_split(
     models that read them.
 
     A gradient whose equilibrated spectrum is noisy (DP-SGD adds noise of one size to every
-    row, which dividing by small rows would inflate), has no rank below the layer's, or whose
-    spectrum beyond the batch rises above rounding (:func:`_rounding_floor`) gets the plain
-    split."""
+    row, which dividing by small rows would inflate), has no rank below the layer's, whose
+    spectrum beyond the batch rises above rounding (:func:`_rounding_floor`), or whose
+    equilibrated batch (not given) exceeds the plain rank by more than a few faint samples
+    (:data:`EXTRA_FAINT_MIN`) gets the plain split. A plain rank far above the equilibrated
+    one (the CNN head above: 378) does not count against it."""
     norms = grad_weight.norm(dim=1, keepdim=True)
     scaled = grad_weight / torch.where(norms > 0, norms, torch.ones_like(norms))
     kwargs = {"batch_size": batch_size, "rank_rtol": rank_rtol, "source_dtype": source_dtype}
@@ -276,10 +288,14 @@ def equilibrated_split(
         equilibrated = None
     if equilibrated is None or equilibrated.noisy or not _rounding_floor(equilibrated, source_dtype):
         return low_rank_split(grad_weight, **kwargs)
+    singular_values = torch.linalg.svdvals(grad_weight)
     b = equilibrated.batch_size
+    if batch_size is None:
+        plain = numerical_rank(singular_values, tuple(grad_weight.shape), source_dtype or grad_weight.dtype)
+        if b > plain + max(EXTRA_FAINT_MIN, math.ceil(EXTRA_FAINT_FRACTION * plain)):
+            return low_rank_split(grad_weight, **kwargs)
     Vh = equilibrated.R / equilibrated.singular_values[:b, None].sqrt()
     U, S, Wh = torch.linalg.svd(grad_weight @ Vh.T, full_matrices=False)
-    singular_values = torch.linalg.svdvals(grad_weight)
     singular_values[:b] = S
     root = S.sqrt()
     return replace(equilibrated, L=U * root, R=root[:, None] * (Wh @ Vh), singular_values=singular_values)

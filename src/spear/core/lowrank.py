@@ -291,7 +291,8 @@ def equilibrated_split(
     singular_values = torch.linalg.svdvals(grad_weight)
     b = equilibrated.batch_size
     if batch_size is None:
-        plain = numerical_rank(singular_values, tuple(grad_weight.shape), source_dtype or grad_weight.dtype)
+        source = source_dtype or grad_weight.dtype
+        plain = numerical_rank(singular_values, tuple(grad_weight.shape), source, rank_rtol)
         if b > plain + max(EXTRA_FAINT_MIN, math.ceil(EXTRA_FAINT_FRACTION * plain)):
             return low_rank_split(grad_weight, **kwargs)
     Vh = equilibrated.R / equilibrated.singular_values[:b, None].sqrt()

@@ -20,6 +20,7 @@ import torch
 
 from spear import theory
 from spear.core.certificate import SampleCertificates, SampleCertifier
+from spear.core.certified_batch import CERTIFIED_BATCH_NOTE, certified_batch
 from spear.core.consistency import Tolerances, noisy_tolerances, resolvable, rounding_map
 from spear.core.deadline import Deadline
 from spear.core.diagnosis import (
@@ -473,6 +474,7 @@ class _Attack:
         self.resolvable = setup.resolvable
         self._offered: Selection | None = None  # the last selection shown to stop_when
         self.swept = SweptSelection()  # where the last selection's swaps ended
+        self.certified_judged = False  # the batch of b samples certified one by one was judged
         self.notes: list[str] = [] if (note := noise_note(setup)) is None else [note]
 
     # --- one step ---------------------------------------------------------------------------
@@ -509,6 +511,7 @@ class _Attack:
         if len(self.pool) >= self.setup.b and (changed or (self.swaps_deferred and not peeling)):
             self.swaps_deferred = peeling
             self._select(0 if peeling else None)
+        self._judge_certified()
 
     def _run_deferred_swaps(self) -> None:
         """The swaps the last selection skipped (a step that certified samples), when the run
@@ -635,6 +638,7 @@ class _Attack:
             self.search.update(self.pool, self.peeled, True, len(samples))
             if len(self.pool) >= s.b:
                 self._select()
+            self._judge_certified()
 
     def _refine_peeled(self) -> None:
         """The cascade's samples re-solved together (:func:`~spear.core.singletons.refine_peeled`):
@@ -744,6 +748,8 @@ class _Attack:
         is judged, and columns the model shows to be wrong are rejected for good before
         selecting again."""
         s, pool = self.setup, self.pool
+        if self.verdict is not None and self.verdict.verified:
+            return  # a verified batch is final (early_stop=False searches on, but keeps it)
         for _ in range(MAX_REJECTION_ROUNDS):
             if len(pool) < s.b:
                 return
@@ -778,6 +784,42 @@ class _Attack:
                 continue
             self.best, self.verdict = selection, verdict
             return
+
+    def _judge_certified(self) -> None:
+        """Once b samples are certified one by one and the selection is not verified, the batch
+        they form (:mod:`spear.core.certified_batch`) is judged, once; it becomes the result
+        when it is verified (and the run stops). The selection's batch comes first: solved
+        from all b directions at once, it is the more precise where it holds."""
+        s = self.setup
+        if self.certified_judged or len(self.peeled) != s.b or s.options.sparsity != "output":
+            return
+        if self.verdict is not None and self.verdict.verified:
+            return
+        self.certified_judged = True
+        batch = certified_batch(s, self.peeled, self.pool.directions)
+        selection = batch.selection
+        everyone = torch.ones(s.b, dtype=torch.bool, device=selection.Qbar.device)
+        verdict = judge(
+            selection,
+            s.problem.sparse_factor,
+            everyone,
+            (batch.inputs, batch.grad_outputs),
+            batch.check,
+            s.tol,
+            self.gate,
+            self.resolvable,
+            known=batch.known,
+            pinned=everyone,
+            clients=s.options.clients,
+            sample_rtol=self._sample_rtol(selection.Qbar.T),
+        )
+        if verdict.verified:
+            verdict.notes.append(CERTIFIED_BATCH_NOTE)
+            self.best, self.verdict = selection, verdict
+
+    def _certified_whole(self) -> bool:
+        """Whether the batch of the samples certified one by one is the verified result."""
+        return self.certified_judged and self.verdict is not None and self.verdict.verified
 
     def _polish(self, selection: Selection) -> tuple[Selection, Polished]:
         """A perfect selection with its directions polished on their clearly zero rows
@@ -1006,6 +1048,9 @@ class _Attack:
         try:
             self._scan_singletons()
             while self.drawn < self.setup.budget:
+                if self._certified_whole() and opts.early_stop:
+                    reason = "sigma=1"
+                    break
                 if opts.time_budget is not None and self.setup.elapsed >= opts.time_budget:
                     reason = "time budget"
                     break

@@ -122,3 +122,52 @@ def test_the_pool_keeps_only_the_reanchored_directions_peeling_certified():
     # none of them re-anchored, and all stay (the review's case: a stale count dropped them)
     assert search.anchored == 0
     assert search.settled(snapped).directions.shape[0] == 5
+
+
+class _Flag:
+    """A deadline that passes when told to (no clock)."""
+
+    def __init__(self) -> None:
+        self.now = False
+
+    def passed(self) -> bool:
+        return self.now
+
+
+def test_a_residual_snap_past_the_deadline_is_lifted_but_not_reanchored(monkeypatch):
+    """Re-anchoring a step's drifted directions (51,600 at once in a float32 trained layer,
+    0.6 s) held an attack past its budget; past the deadline nothing snapped is used."""
+    import spear.core.search as search_module
+    from spear.core.consistency import Tolerances
+    from spear.core.proposers import ProposalBatch
+
+    L, _q, zero_rows, small_rows = _layer(11)
+    b = L.shape[1]
+    q0 = _drifted(L, zero_rows, small_rows)[None]
+    mask = zero_mask(q0 @ L.T, 1e-4)
+    drifted = SnapResult(q0, mask, mask.sum(dim=1), robust=torch.ones(1, dtype=torch.bool))
+    flag = _Flag()
+
+    def snapped_then_late(*args, **kwargs):
+        flag.now = True  # the deadline passes while the step's directions are snapped
+        return drifted
+
+    outcomes = []
+    for late in (False, True):
+        root = ProposalContext(
+            L=L, batch_size=b, threshold_count=50, generator=torch.Generator(),
+            proposal_dtype=torch.float32, found=torch.empty(0, b, dtype=L.dtype), deadline=flag,
+        )  # fmt: skip
+        search = ResidualSearch(root)
+        search.basis = torch.eye(b, dtype=L.dtype)  # a residual problem: the whole one, here
+        search.ctx = root
+        flag.now = False
+        if not late:
+            monkeypatch.setattr(search_module, "snap_and_filter", lambda *a, **k: drifted)
+        else:
+            monkeypatch.setattr(search_module, "snap_and_filter", snapped_then_late)
+        tol, known = Tolerances(1e-4, 1e-6, 1e-6, 1e-3), torch.zeros(0, L.shape[0], dtype=torch.bool)
+        result = search.snap(ProposalBatch(q0, n_drawn=1), tol, known)
+        outcomes.append((search.anchored, result.directions.shape[0]))
+    assert outcomes[0][0] == 1  # in time, the drifted direction is re-anchored
+    assert outcomes[1] == (0, 1)  # past the deadline, lifted and handed on as it is

@@ -271,6 +271,28 @@ def test_kernels_of_zero_sets_stop_at_the_deadline():
     assert bool(torch.isnan(_first_kernel(problem.L, masks, 8, PASSED)).all())
 
 
+def test_a_snap_whose_deadline_passes_while_its_kernels_are_solved_returns_nothing(monkeypatch):
+    """Past the deadline no snapped direction is used (peeling and pooling stop there), so the
+    zero sets and exact re-solves left are not computed: 51,600 directions of one float32 step
+    held an attack up to 1.2 s past a 30 s budget."""
+    import spear.core.filtering as filtering
+
+    _, problem, _, _, Qt = _client(40, 400)
+    masks = zero_mask((problem.L @ Qt).T, 1e-9)
+    late = _PassesAfter(10**9)
+    solve = filtering.kernel_of_rows
+
+    def solved_then_late(L, rows, deadline=NEVER):
+        out = solve(L, rows, deadline)
+        late.left = 0  # the deadline passes while the last kernels are solved
+        return out
+
+    monkeypatch.setattr(filtering, "kernel_of_rows", solved_then_late)
+    assert snap_and_filter(problem.L, Qt.T, masks, 100, 1e-9).directions.shape[0] == 40
+    late.left = 10**9  # in time until the kernels are solved
+    assert snap_and_filter(problem.L, Qt.T, masks, 100, 1e-9, deadline=late).directions.shape[0] == 0
+
+
 class _PassesAfter:
     """A deadline that passes after ``checks`` looks at it (a clock that needs no clock)."""
 

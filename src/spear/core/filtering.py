@@ -273,8 +273,9 @@ def snap_and_filter(
     ``zero_floor`` (default ``zero_rtol``) marks the entries that are certainly zero
     (``SnapResult.certain_zero``, see :mod:`spear.core.consistency`). ``rounding``: the factor's
     rounding map; entries within a direction's rounding floor count as zero too (the columns of
-    samples whose gradient is faint, :func:`rounding_floor`). Past ``deadline`` the directions
-    left are dropped (:func:`kernel_of_rows`).
+    samples whose gradient is faint, :func:`rounding_floor`). Once ``deadline`` has passed,
+    the kernels left are not solved and nothing is returned: past its time budget an attack
+    uses no snapped direction, so finishing the step would only overrun the budget.
     """
     b = L.shape[1]
     empty = SnapResult(
@@ -306,7 +307,9 @@ def snap_and_filter(
     if rows.shape[0]:
         chunk = kernel_chunk(L.shape[0], b, SNAP_CHUNK_ELEMENTS)
         q = torch.cat([q, _first_kernel(L, rows, chunk, deadline)])
-    if q.shape[0] == 0:
+    # past the deadline nothing snapped is used (peeling and pooling stop there): what is left
+    # of the work (zero sets of every direction, their exact re-solve) would only overrun it
+    if q.shape[0] == 0 or deadline.passed():
         return empty
     rows = zero_mask(q @ L.T, zero_rtol, rounding_floor(q, rounding, L.shape[0]))
     if not isinstance(threshold_count, torch.Tensor):
@@ -323,6 +326,8 @@ def snap_and_filter(
         return empty
     # exact re-solve on the full zero set, with the one-dimensional-kernel check
     q, one_dim, robust = kernel_of_rows(L, rows, deadline)
+    if deadline.passed():
+        return empty
     values = q @ L.T
     rows = zero_mask(values, zero_rtol, rounding_floor(q, rounding, L.shape[0]))
     keep = one_dim & (rows.sum(dim=1) >= threshold_count)

@@ -106,6 +106,8 @@ class ResidualSearch:
             return snapped
         lifted = lift(snapped, self.basis)
         if not self.on_last_sample:
+            if self.ctx.deadline.passed():
+                return lifted  # the run ends here: re-anchoring would only overrun the budget
             drifted = lifted.directions[drifted_off_zeros(self.root.L, lifted, tol.zero_rtol)]
             if not drifted.shape[0]:
                 return lifted

@@ -70,6 +70,27 @@ def pool_positions(directions: torch.Tensor, pool_directions: torch.Tensor) -> t
     return tuple((mine @ unit.T.to(mine)).abs().argmax(dim=1).tolist())
 
 
+def activation_residuals(
+    setup: AttackSetup, inputs: torch.Tensor, activation_basis: torch.Tensor
+) -> torch.Tensor:
+    """(k,) for each input (k, n) of the attacked layer, how far its activation ``ReLU(W x + b)``
+    lies off the next layer's row space (``activation_basis``: (m, r) orthonormal, peeling's
+    ``P``), relative to its size.
+
+    The next layer's weight gradient is ``(dL/dZ') A^T``: its row space is spanned by the
+    samples' activations, so a true input's activation lies in it to rounding. A check of each
+    sample on its own, whatever its share of the gradient: the batch's gradient residual weighs
+    a sample's error by its share, so it can miss an input of a faint sample off by
+    ``verify_rtol / share`` (the adversarial review of this path: float64, share 1.7e-3, an
+    input 5e-6 off passed it); the activation of such an input leaves the row space by about
+    that error."""
+    problem = setup.problem
+    activation = (inputs @ problem.weight.T + problem.bias).clamp_min(0)
+    off = activation - (activation @ activation_basis) @ activation_basis.T
+    tiny = torch.finfo(activation.dtype).tiny
+    return off.norm(dim=1) / activation.norm(dim=1).clamp_min(tiny)
+
+
 def certified_batch(
     setup: AttackSetup, peeled: PeeledSamples, pool_directions: torch.Tensor
 ) -> CertifiedBatch:

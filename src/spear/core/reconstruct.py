@@ -20,7 +20,7 @@ import torch
 
 from spear import theory
 from spear.core.certificate import SampleCertificates, SampleCertifier
-from spear.core.certified_batch import CERTIFIED_BATCH_NOTE, certified_batch
+from spear.core.certified_batch import CERTIFIED_BATCH_NOTE, activation_residuals, certified_batch
 from spear.core.consistency import Tolerances, noisy_tolerances, resolvable, rounding_map
 from spear.core.deadline import Deadline
 from spear.core.diagnosis import (
@@ -475,6 +475,9 @@ class _Attack:
         self._offered: Selection | None = None  # the last selection shown to stop_when
         self.swept = SweptSelection()  # where the last selection's swaps ended
         self.certified_judged = False  # the batch of b samples certified one by one was judged
+        #: the next layer's row space (peeling's P), which checks certified inputs one by one;
+        #: None without output-side peeling (the batch of certified samples is then not judged)
+        self.activation_basis = self.peeler.P if isinstance(self.peeler, SamplePeeler) else None
         self.notes: list[str] = [] if (note := noise_note(setup)) is None else [note]
 
     # --- one step ---------------------------------------------------------------------------
@@ -791,11 +794,16 @@ class _Attack:
         when it is verified (and the run stops). The selection's batch comes first: solved
         from all b directions at once, it is the more precise where it holds."""
         s = self.setup
-        if self.certified_judged or len(self.peeled) != s.b or s.options.sparsity != "output":
+        if self.certified_judged or len(self.peeled) != s.b or self.activation_basis is None:
             return
         if self.verdict is not None and self.verdict.verified:
             return
         self.certified_judged = True
+        # each input on its own: its activation in the next layer's row space (what peeling
+        # checked it by), since the batch's gradient residual weighs it by its share
+        off = activation_residuals(s, self.peeled.inputs, self.activation_basis)
+        if not bool((off <= s.tol.verify_rtol).all()):
+            return
         batch = certified_batch(s, self.peeled, self.pool.directions)
         selection = batch.selection
         everyone = torch.ones(s.b, dtype=torch.bool, device=selection.Qbar.device)
@@ -812,6 +820,7 @@ class _Attack:
             pinned=everyone,
             clients=s.options.clients,
             sample_rtol=self._sample_rtol(selection.Qbar.T),
+            precision=s.sample_precision(selection.Qbar),
         )
         if verdict.verified:
             verdict.notes.append(CERTIFIED_BATCH_NOTE)

@@ -1,12 +1,15 @@
 """The batch of samples certified one by one.
 
-Peeling (:mod:`spear.core.peeling`) and the singleton cascade (:mod:`spear.core.singletons`)
-recover and certify samples one at a time. Once they have certified as many samples as the
-batch holds (b, the rank of dL/dW), those samples *are* a candidate batch: inputs solved one by
-one, and columns ``dL/dZ_j = L u_j`` from their duals. It is judged like any selection
+Peeling (:mod:`spear.core.peeling`) recovers and certifies samples one at a time through the
+next layer. Once it has certified as many samples as the batch holds (b, the rank of dL/dW),
+those samples *are* a candidate batch: inputs solved one by one, and columns
+``dL/dZ_j = L u_j`` from their duals. It is judged like any selection
 (:func:`spear.core.verdict.judge`): the gradients recomputed through the ReLU must match
-(condition 1), the ReLU pattern must match both ways (sigma = 1, condition 2), and each sample
-keeps the certificate it was counted with.
+(condition 1), the ReLU pattern must match both ways (sigma = 1, condition 2), each sample
+keeps the certificate it was counted with, and the precision audit runs. Since the inputs are
+not tied to the directions here, each is also checked on its own (:func:`activation_residuals`),
+as peeling certified it. The singleton cascade's samples (no next layer) have no such check,
+so their batch is not judged this way.
 
 Why not ``Q^-1 R`` of their directions, as for any selection: assembling all b samples at once
 spreads the rounding of the faintest columns over every sample. A float32 trained MLP (6 x 1000,

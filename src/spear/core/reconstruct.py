@@ -641,7 +641,6 @@ class _Attack:
             self.search.update(self.pool, self.peeled, True, len(samples))
             if len(self.pool) >= s.b:
                 self._select()
-            self._judge_certified()
 
     def _refine_peeled(self) -> None:
         """The cascade's samples re-solved together (:func:`~spear.core.singletons.refine_peeled`):
@@ -825,10 +824,6 @@ class _Attack:
         if verdict.verified:
             verdict.notes.append(CERTIFIED_BATCH_NOTE)
             self.best, self.verdict = selection, verdict
-
-    def _certified_whole(self) -> bool:
-        """Whether the batch of the samples certified one by one is the verified result."""
-        return self.certified_judged and self.verdict is not None and self.verdict.verified
 
     def _polish(self, selection: Selection) -> tuple[Selection, Polished]:
         """A perfect selection with its directions polished on their clearly zero rows
@@ -1057,9 +1052,6 @@ class _Attack:
         try:
             self._scan_singletons()
             while self.drawn < self.setup.budget:
-                if self._certified_whole() and opts.early_stop:
-                    reason = "sigma=1"
-                    break
                 if opts.time_budget is not None and self.setup.elapsed >= opts.time_budget:
                     reason = "time budget"
                     break

@@ -66,7 +66,9 @@ def relative_error(rec, truth: torch.Tensor) -> float | None:
     return float((rec.inputs.double()[est] - truth.double()[ref]).abs().amax() / scale)
 
 
-def one(setting: str, dataset, dtype, steps: int, m: int, b: int, seed: int, budget: float) -> dict:
+def one(
+    setting: str, dataset, dtype, steps: int, m: int, b: int, seed: int, budget: float, device: str = "cpu"
+) -> dict:
     arch, layer, sparsity = SETTINGS[setting]
     model = build(arch, dataset, m, seed, dtype)
     if steps:
@@ -77,8 +79,8 @@ def one(setting: str, dataset, dtype, steps: int, m: int, b: int, seed: int, bud
     start = time.perf_counter()
     try:
         rec = spear.attack_layer(
-            view.model, layer, view.gradients, seed=seed, time_budget=budget, sparsity=sparsity
-        )
+            view.model, layer, view.gradients, seed=seed, time_budget=budget, sparsity=sparsity, device=device
+        ).to("cpu")
     except spear.SpearError as exc:
         return {"seed": seed, "exact": False, "error": f"{type(exc).__name__}: {exc}"[:300]}
     seconds = time.perf_counter() - start
@@ -107,6 +109,7 @@ def main() -> None:
     parser.add_argument("--batch-sizes", nargs="+", type=int, default=[16, 32, 64])
     parser.add_argument("--seeds", type=int, default=3)
     parser.add_argument("--budget", type=float, default=30.0, help="seconds per attack")
+    parser.add_argument("--device", default="cpu", help="where the attack runs: cpu or cuda")
     parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "realism.json"))
     args = parser.parse_args()
     dataset = load_dataset("mnist")
@@ -115,7 +118,7 @@ def main() -> None:
     for setting, dtype_name, steps, m in lines:
         for b in sorted(args.batch_sizes):
             runs = [
-                one(setting, dataset, DTYPES[dtype_name], steps, m, b, seed, args.budget)
+                one(setting, dataset, DTYPES[dtype_name], steps, m, b, seed, args.budget, args.device)
                 for seed in range(args.seeds)
             ]
             exact = [r["exact"] for r in runs]
@@ -142,7 +145,7 @@ def main() -> None:
     payload = {
         "benchmark": "realism matrix (MNIST, FedSGD, attack_layer defaults)",
         "settings": run_settings(args),
-        "machine": machine(),
+        "machine": machine(args.device),
         "cells": cells,
     }
     print("wrote", write_json(args.out, payload))

@@ -13,7 +13,8 @@ import torch
 from spear.metrics import match_samples
 
 
-def machine() -> dict:
+def machine(device: str = "cpu") -> dict:
+    """The machine a benchmark ran on; with ``device="cuda"``, its GPU too."""
     cpu = platform.processor() or "unknown"
     try:
         with open("/proc/cpuinfo") as fh:
@@ -30,6 +31,7 @@ def machine() -> dict:
         "torch": torch.__version__,
         "python": platform.python_version(),
         "platform": platform.platform(),
+        **({"gpu": torch.cuda.get_device_name(), "cuda": torch.version.cuda} if device == "cuda" else {}),
     }
 
 

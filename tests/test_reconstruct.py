@@ -244,6 +244,17 @@ def test_bad_options(small):
             spear.reconstruct(*args, device="cuda")
 
 
+def test_a_result_moves_to_a_device_with_every_tensor(small):
+    rec = spear.reconstruct(*small.layer_args(), seed=0)
+    tensors = {k: v for k, v in vars(rec).items() if isinstance(v, torch.Tensor)}
+    assert {"inputs", "grad_outputs", "directions", "scales", "singular_values"} <= set(tensors)
+    moved = rec.to("meta")  # a device without data, on any machine
+    assert all(getattr(moved, k).device.type == "meta" for k in tensors)
+    assert moved.verified == rec.verified and moved.stats == rec.stats and moved.notes == rec.notes
+    back = rec.to("cpu")
+    assert all(torch.equal(getattr(back, k), v) for k, v in tensors.items())
+
+
 def test_model_level_errors(small):
     with pytest.raises(InputError, match="no module named"):
         spear.attack_layer(small.model, "fc9", small.grads)

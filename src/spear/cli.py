@@ -302,6 +302,7 @@ def cascade(
     width: WidthOpt = None,
     depth: DepthOpt = DEFAULT_DEPTH,
     seed: SeedOpt = 0,
+    device: DeviceOpt = "cpu",
     max_proposals: Annotated[
         int | None, typer.Option(help="proposal budget of each attack in the first pass (doubles each pass)")
     ] = None,

@@ -44,6 +44,7 @@ class SpearAttack(Attack):
         layer = self.layer or feature_layer(model)
         options.setdefault("sparsity", attackable_layers(model).get(layer, "output"))
         rec = spear.attack_layer(model, layer, target.gradients, seed=target.seed, **options)
+        rec = rec.to(next(model.parameters()).device)  # the inversion runs on the model
         inputs, verified, notes = rec.inputs, rec.verified, list(rec.notes)
         details: dict[str, Any] = {"layer": layer, "reconstruction": rec.summary()}
         hidden = bool(acting_layers_below(model, layer))

@@ -4,7 +4,8 @@
 differently depending on where its inputs sit in memory: two identical calls in one process can
 differ by an ulp, and peeling's decisions on an ill-conditioned batch amplified that into
 different reconstructions. gelsd (SVD-based, minimum-norm like gelsy for rank-deficient systems)
-does not; CUDA offers only gels.
+does not. CUDA offers only gels, which needs full-rank systems: there the pseudo-inverse
+solves them (:func:`lstsq`).
 """
 
 from __future__ import annotations
@@ -16,9 +17,16 @@ import torch
 
 def lstsq(A: torch.Tensor, B: torch.Tensor) -> torch.Tensor:
     """The least-squares (minimum-norm) solution X of ``A X = B``, batched like
-    ``torch.linalg.lstsq``, reproducible bit for bit on the CPU."""
-    driver = "gelsd" if A.device.type == "cpu" else None
-    return torch.linalg.lstsq(A, B, driver=driver).solution
+    ``torch.linalg.lstsq``, reproducible bit for bit on the CPU.
+
+    On other devices ``pinv(A) B``: CUDA's only lstsq driver, gels, assumes A has full rank
+    and returns garbage, silently, otherwise (an H200, torch 2.11: a 30 x 12 system of rank 4
+    came back with a solution of norm 3.9e15, the minimum-norm one has 0.18). The
+    pseudo-inverse (an SVD) cuts singular values at the same relative ``max(rows, cols) * eps``
+    as gelsd's default."""
+    if A.device.type == "cpu":
+        return torch.linalg.lstsq(A, B, driver="gelsd").solution
+    return torch.linalg.pinv(A) @ B
 
 
 #: batched LU factorizations of matrices this large are run one matrix at a time on the CPU

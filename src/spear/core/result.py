@@ -6,6 +6,7 @@ attack itself is :mod:`spear.core.reconstruct`.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -187,6 +188,16 @@ class Reconstruction:
     client_batch_size: int | None = None
     missing_samples: int | None = None
     input_precision: torch.Tensor | None = None
+
+    def to(self, device: torch.device | str) -> Reconstruction:
+        """This result with every tensor on ``device`` (e.g. ``rec.to("cpu")`` after an attack
+        run with ``device="cuda"``, to compare with data on the CPU)."""
+        moved = {
+            f.name: getattr(self, f.name).to(device)
+            for f in dataclasses.fields(self)
+            if isinstance(getattr(self, f.name), torch.Tensor)
+        }
+        return dataclasses.replace(self, **moved)
 
     def summary(self) -> dict:
         """JSON-ready summary (no tensors)."""

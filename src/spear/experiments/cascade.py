@@ -50,13 +50,12 @@ def run_cascade_experiment(
     # --- evaluation: ground truth meets the result ---
     atol = EXACT_ATOL[settings.torch_dtype]
     record: dict[str, Any] = {"settings": settings.as_dict(), "cascade": result.summary(), "seconds": seconds}
+    inputs, labels = result.inputs.cpu(), result.labels.cpu()  # whatever device the attack ran on
     if result.complete:
-        scored = evaluate_inputs(dataset, result.inputs, result.labels, secret, atol)
+        scored = evaluate_inputs(dataset, inputs, labels, secret, atol)
         record.update(scored.record)
     else:
-        found = Inversion(
-            result.inputs, "cascade", False, exact=torch.ones(len(result.inputs), dtype=torch.bool)
-        )
+        found = Inversion(inputs, "cascade", False, exact=torch.ones(len(inputs), dtype=torch.bool))
         record["exact_samples"] = _exact_data(dataset, found, secret, atol)
         record["batch_size"] = settings.batch_size
     record["versions"] = versions()

@@ -216,7 +216,7 @@ def run_experiment(settings: ExperimentSettings, progress=None) -> ExperimentRes
         clients=settings.clients,
         sparsity=sparsity,
         **protocol.attack_options(view.model, view.gradients),
-    )
+    ).to("cpu")  # where the model and the evaluation are, whatever device the attack ran on
     rec = protocol.certify(view.model, view.gradients, rec)
     inversion = None
     if acting_layers_below(view.model, layer) and rec.inputs is not None and rec.grad_outputs is not None:

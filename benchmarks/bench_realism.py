@@ -112,6 +112,8 @@ def main() -> None:
     parser.add_argument("--device", default="cpu", help="where the attack runs: cpu or cuda")
     parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "realism.json"))
     args = parser.parse_args()
+    if torch.device(args.device).type == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda, but CUDA is not available here")
     dataset = load_dataset("mnist")
     cells = []
     lines = itertools.product(args.settings, args.dtypes, args.train_steps, args.widths)

@@ -31,7 +31,11 @@ def machine(device: str = "cpu") -> dict:
         "torch": torch.__version__,
         "python": platform.python_version(),
         "platform": platform.platform(),
-        **({"gpu": torch.cuda.get_device_name(), "cuda": torch.version.cuda} if device == "cuda" else {}),
+        **(
+            {"gpu": torch.cuda.get_device_name(), "cuda": torch.version.cuda}
+            if torch.device(device).type == "cuda"
+            else {}
+        ),
     }
 
 

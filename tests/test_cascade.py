@@ -172,6 +172,7 @@ def test_a_leading_flatten_keeps_the_first_layer_first_and_its_samples_the_data(
         (None, {"max_rounds": 0}, "max_rounds"),
         (None, {"loss": "mse"}, "unknown loss"),
         ("10", {}, "not the string"),
+        (None, {"device": "gpu"}, "unknown device"),
     ],
 )
 def test_bad_arguments_name_what_is_wrong(layers, options, match):

@@ -53,6 +53,7 @@ def test_attack_table_output():
         (["theory", "--batch-size", "30", "--width", "20"], "below the layer width"),
         (["evaluate", "--batches", "0"], "--batches must be >= 1"),
         (["attack", "--proposer", "magic"], "unknown proposer"),
+        (["cascade", "-b", "4", "--width", "30", "--depth", "3", "--device", "gpu"], "unknown device"),
     ],
 )
 def test_bad_arguments_exit_with_one_line(args, message):

@@ -125,3 +125,19 @@ def test_command_line_attack_and_cascade(tmp_path):
     assert cascade.exit_code == 0, cascade.output
     payload = json.loads(cascade.stdout[cascade.stdout.index("{") :])
     assert payload["cascade"]["complete"] is True and payload["exact_samples"] == 8
+
+
+def test_fedavg_update_is_certified_by_replay(mnist):
+    # the replay runs inside the attack (its stop rule) on the CPU model, with the attack's tensors
+    pytest.importorskip("flwr")  # spear.fl.protocols imports Flower
+    from spear.fl import simulate_round
+    from spear.fl.protocols import FedAvg
+
+    model = fully_connected(mnist.features, 300, 4, mnist.classes, seed=7)
+    protocol = FedAvg(epochs=1, batch_size=4, lr=0.1)
+    view, truth = simulate_round(model, mnist, 12, protocol, seed=7)
+    options = {"max_proposals": 300_000, **protocol.attack_options(view.model, view.gradients)}
+    rec = spear.attack_layer(view.model, "0", view.gradients, device=DEVICE, **options)
+    rec = protocol.certify(view.model, view.gradients, rec.to("cpu"))
+    assert rec.verified and rec.verified_by == "replay", rec.message
+    assert_exact(rec.inputs, truth.inputs)

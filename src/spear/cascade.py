@@ -31,7 +31,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from spear.api import attack_layer, check_seconds, named_gradients, warn_if_oversubscribed
+from spear.api import _resolve_device, attack_layer, check_seconds, named_gradients, warn_if_oversubscribed
 from spear.certify import LossFn, _cross_entropy
 from spear.core.certificate import infer_reduction
 from spear.core.consistency import Tolerances
@@ -228,6 +228,8 @@ def attack_model(
     if isinstance(loss, str) and loss != "cross_entropy":
         raise InputError(f"unknown loss {loss!r}; use 'cross_entropy' or pass a callable")
     check_seconds("time_budget", time_budget)
+    if "device" in options:  # once, here: each attack's errors become steps, not this call's
+        _resolve_device(options["device"])
     check_seconds("attack_budget", attack_budget)
     warn_if_oversubscribed(time_budget if time_budget is not None else attack_budget)
     if isinstance(max_rounds, bool) or not isinstance(max_rounds, int) or max_rounds < 1:

@@ -292,8 +292,8 @@ class WeightedCertifier:
         ok = cert.ok.nonzero()[:, 0]
         if ok.numel() == 0:
             return cert
-        dtype = next(self.model.parameters()).dtype
-        factors = self.sample_weights(self.model, inputs[ok].to(dtype), cert.labels[ok])
+        param = next(self.model.parameters())  # the model's device and dtype, not the attack's
+        factors = self.sample_weights(self.model, inputs[ok].to(param), cert.labels[ok].to(param.device))
         weights = cert.weights.clone()
         weights[ok] = weights[ok] / factors.to(weights)
         return dataclasses.replace(cert, weights=weights)

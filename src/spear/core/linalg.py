@@ -16,8 +16,8 @@ import torch
 
 
 def lstsq(A: torch.Tensor, B: torch.Tensor) -> torch.Tensor:
-    """The least-squares (minimum-norm) solution X of ``A X = B``, batched like
-    ``torch.linalg.lstsq``, reproducible bit for bit on the CPU.
+    """The least-squares (minimum-norm) solution X of ``A X = B`` for ``A`` (*, m, n) and
+    ``B`` (*, m, k) with the same batch dimensions, reproducible bit for bit on the CPU.
 
     On other devices ``pinv(A) B``: CUDA's only lstsq driver, gels, assumes A has full rank
     and returns garbage, silently, otherwise (an H200, torch 2.11: a 30 x 12 system of rank 4

@@ -215,7 +215,7 @@ class AuditingFedAvg(FedAvgStrategy):
             update = _weight_update(model, before, parameters_to_ndarrays(fit_res.parameters), protocol.lr)
             options = {**protocol.attack_options(model, update), **self.attack_options}
             rec = spear.attack_layer(model, first_linear(model), update, **options)
-            rec = protocol.certify(model, update, rec)
+            rec = protocol.certify(model, update, rec.to(next(model.parameters()).device))
         except SpearError as exc:
             seconds = time.perf_counter() - start
             return AuditRecord(

@@ -158,8 +158,8 @@ def certify_by_replay(
     layer = replay_layer(model, layer)
     check_update(model, update)
     b = inputs.shape[0]
-    dtype = next(model.parameters()).dtype
-    x, u = inputs.to(dtype), grad_outputs.T.to(dtype)
+    param = next(model.parameters())  # the replay runs on the model, whatever the attack's device
+    x, u = inputs.to(param), grad_outputs.T.to(param)
     size = min(protocol.batch_size or b, b)
     per_epoch = -(-b // size)
     if per_epoch == 1:

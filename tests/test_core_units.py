@@ -422,10 +422,12 @@ def test_greedy_resumes_its_swaps_where_the_last_selection_ended(monkeypatch):
     assert memory.find(Pool(directions[:3])) is None
 
 
-def test_rank_one_swap_scores_equal_scoring_each_swap_afresh(monkeypatch):
+@pytest.mark.parametrize("overlap", [False, True])
+def test_rank_one_swap_scores_equal_scoring_each_swap_afresh(monkeypatch, overlap):
     # the greedy's swap ranking (Sherman-Morrison updates of Qbar^-1) against score() per swap,
     # with impostors, near-singular swaps and the tolerance-aware masks; chunks of a few
-    # candidates (the split into chunks changes nothing)
+    # candidates (the split into chunks changes nothing). ``overlap``: entries both nonzero and
+    # surely zero (masks no caller builds), which the sweep's one-comparison test cannot take
     client = make_client(10, width=150, seed=35)
     *_, split, problem, Qt = layer_problem(client)
     g = torch.Generator().manual_seed(0)
@@ -435,6 +437,8 @@ def test_rank_one_swap_scores_equal_scoring_each_swap_afresh(monkeypatch):
     directions = directions / directions.norm(dim=1, keepdim=True)
     values = directions @ split.L.T
     masks, certain = zero_mask(values, 1e-9), zero_mask(values, 1e-12)
+    if overlap:
+        certain[:, ::7] = True
     current = torch.tensor([0, 1, 2, 9, 10, 11, 12, 13, 14, 15])
     free = torch.tensor([0, 1, 2, 3, 5])
     outside = torch.tensor([3, 4, 5, 6, 7, 8, 16])

@@ -341,6 +341,10 @@ class _SwapSweep:
         b, rows = Y.shape
         self.c, self.z_rtol, self.size = c, z_rtol, b * rows
         self.nonzero, self.certain = ~masks[current], certain_all[current]  # (b, rows)
+        # an entry is wrong when f u > band, f = -1 where nonzero, +1 where surely zero, 0
+        # else (one product and one comparison per entry); None when an entry is both
+        disjoint = not bool((self.nonzero & self.certain).any())
+        self.flip = (self.certain.to(Y.dtype) - self.nonzero.to(Y.dtype))[:, None] if disjoint else None
         self.out_nonzero, self.out_certain = ~masks[outside], certain_all[outside]
         self.z_now = Y / c[:, None] + problem.bias  # column k's, before and after a swap at k
         self.band_now = z_rtol * self.z_now.abs().amax(dim=1)
@@ -372,7 +376,10 @@ class _SwapSweep:
         u = torch.bmm(coef, self.basis)  # (b, S, rows): |c'_j| z_j
         low, high = torch.aminmax(u, dim=2, keepdim=True)
         band = self.z_rtol * torch.maximum(high, -low)
-        wrong = ((u < -band) & self.nonzero[:, None]) | ((u > band) & self.certain[:, None])
+        if self.flip is not None:
+            wrong = u.mul_(self.flip) > band
+        else:
+            wrong = ((u < -band) & self.nonzero[:, None]) | ((u > band) & self.certain[:, None])
         per_column = wrong.sum(dim=2)  # (b, S); column k's counted with its own masks instead
         contradictions = per_column.sum(dim=0) - per_column[k] + self.own[part]
         sigma = (self.size - contradictions).to(torch.float64) / self.size

@@ -406,3 +406,34 @@ def test_auto_uses_complement_guided_sampling_for_small_batches():
     auto.guided.propose = counted
     spear.reconstruct(*client.layer_args(), proposer=auto, early_stop=False, max_proposals=60_000)
     assert len(calls) >= 2
+
+
+def test_next_layer_reports_the_columns_it_drops_for_the_threshold_alone():
+    # the proposer filters its own directions by the sparsity threshold before snapping sees
+    # them; what it dropped for the threshold alone (true columns, sparser than chance) must
+    # reach the attack, or its probe never learns that the columns are below the threshold
+    b = 48
+    _, _, split, _, ctx, Qt = _mnist_problem(b, 480, 14)
+    zeros = zero_mask((split.L @ Qt).T, 1e-9).sum(dim=1)  # the true columns' zero counts
+    usual = NextLayerProposer().propose(ctx, 10_000)
+    assert usual.below_threshold < ctx.threshold_count
+    ctx.threshold_count = int(zeros.max()) + 1  # above every true column
+    strict = NextLayerProposer().propose(ctx, 10_000)
+    assert b - 1 < strict.below_threshold <= int(zeros.max())
+    assert strict.directions.shape[0] < usual.directions.shape[0]
+
+
+def test_columns_below_the_threshold_that_the_next_layer_drops_call_the_probe():
+    # a threshold near m/2 (p_fr = 0.45): most columns of a wide layer fall below it, as a
+    # trained m = 4000 layer's do at the default p_fr (54% active: 1729-1939 zeros of 3980,
+    # threshold 1856; 3 to 6 of 32 samples after 60 s before the proposer reported its drops)
+    from spear.data import load_dataset
+    from spear.fl import fully_connected, simulate_fedsgd
+
+    dataset = load_dataset("mnist")
+    model = fully_connected(dataset.features, 2000, 6, dataset.classes, seed=0)
+    view, truth = simulate_fedsgd(model, dataset, 32, seed=0)
+    rec = spear.attack_layer(view.model, "0", view.gradients, seed=0, p_fr=0.45, max_proposals=30_000)
+    assert rec.verified, rec.message  # 10,449 proposals; 59,825 without the report
+    assert any("threshold was lowered" in note for note in rec.notes)
+    assert_exact(rec.inputs, truth.inputs, 1e-6)

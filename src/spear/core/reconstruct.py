@@ -491,7 +491,9 @@ class _Attack:
             return batch  # the run ends here: snapping and peeling would overrun the budget
         snapped = self.search.snap(batch, self.setup.tol, self.pool.known_masks)
         ctx = self.search.ctx
-        if relu_sparse(snapped.dropped_sparsest, ctx.batch_size, ctx.rows):
+        # columns below the threshold, dropped by snapping or by the proposer itself
+        dropped = max(snapped.dropped_sparsest, batch.below_threshold)
+        if relu_sparse(dropped, ctx.batch_size, ctx.rows):
             self.sparse_drop = self.calls
         self._absorb(snapped)
         return batch

@@ -82,6 +82,10 @@ class ProposalBatch:
             layer above pins a converged pattern). The sparsity threshold, which guards against
             mixtures passing on chance zeros, then asks only for the b - 1 rows of a kernel: a
             true column sparser than the threshold (Section 4.1 assumes 50% zeros) still counts.
+        below_threshold: the most zeros (of ``L q``'s rows) of a direction the proposer found
+            sparse beyond chance but dropped for the sparsity threshold alone, before snapping
+            (0: none). The attack reads it as it reads snapping's ``dropped_sparsest``: evidence
+            that the columns are less sparse than the threshold asks, which calls its probe soon.
     """
 
     directions: torch.Tensor
@@ -89,6 +93,7 @@ class ProposalBatch:
     zero_hint: torch.Tensor | None = None
     exhausted: bool = False
     confirmed: torch.Tensor | None = None
+    below_threshold: int = 0
 
 
 def orthogonal_complement(vectors: torch.Tensor, dim: int) -> torch.Tensor:

@@ -104,16 +104,21 @@ class NextLayerProposer(DirectionProposer):
             work += tries * (10 * g**3 + m * g) + PER_SET_OVERHEAD + m * b * b
         return work
 
-    def _directions_in(self, ctx: ProposalContext, mask: torch.Tensor, K: torch.Tensor) -> torch.Tensor:
+    def _directions_in(
+        self, ctx: ProposalContext, mask: torch.Tensor, K: torch.Tensor
+    ) -> tuple[torch.Tensor, int]:
         """Sparse directions of the subspace K: kernels of g-1 random rows outside the zero set,
-        kept when L q has zeros beyond the rows chosen (a mixture of the g columns has none)."""
+        kept when L q has zeros beyond the rows chosen (a mixture of the g columns has none) and
+        as many as the sparsity threshold asks; with the most zeros of those it dropped for the
+        threshold alone (:attr:`ProposalBatch.below_threshold`)."""
         g = K.shape[1]
+        none = K.new_empty(0, K.shape[0])
         if g == 1:
-            return K.T
+            return K.T, 0
         M = ctx.L @ K  # (m, g): L on the subspace
         outside = (~mask).nonzero()[:, 0]
         if outside.numel() < g - 1:
-            return K.new_empty(0, K.shape[0])
+            return none, 0
         tries = self.tries_per_set * 2 ** (g - 1)
         noise = torch.rand(tries, outside.numel(), generator=ctx.generator).to(M.device)
         picks = outside[noise.argsort(dim=1)[:, : g - 1]]  # (tries, g-1)
@@ -122,12 +127,14 @@ class NextLayerProposer(DirectionProposer):
         values = (M[outside] @ v.T).abs()  # (outside, tries)
         zeros = (values <= ctx.zero_rtol * values.amax(dim=0, keepdim=True)).sum(dim=0)
         # more zeros than the chosen rows (a column, not a mixture) and enough of them in all
-        good = (zeros > 2 * (g - 1)) & (zeros + int(mask.sum()) >= ctx.threshold_count)
+        sparse, total = zeros > 2 * (g - 1), zeros + int(mask.sum())
+        good = sparse & (total >= ctx.threshold_count)
+        below = int(total[sparse & ~good].max()) if bool((sparse & ~good).any()) else 0
         if not bool(good.any()):
-            return K.new_empty(0, K.shape[0])
+            return none, below
         q = v[good] @ K.T
         signature = values[:, good] <= ctx.zero_rtol * values[:, good].amax(dim=0, keepdim=True)
-        return q[first_occurrences(signature.T, None)]
+        return q[first_occurrences(signature.T, None)], below
 
     def propose(self, ctx: ProposalContext, max_proposals: int) -> ProposalBatch:
         self._prepare(ctx)
@@ -138,11 +145,13 @@ class NextLayerProposer(DirectionProposer):
         count = min(self.sets_per_call, len(self._sets))
         chunk = [self._sets[(self._cursor + i) % len(self._sets)] for i in range(count)]
         self._cursor = (self._cursor + count) % len(self._sets)
-        found, tried = [], 0
+        found, tried, below = [], 0, 0
         for mask, K in chunk:
             if ctx.deadline.passed():
                 break
-            found.append(self._directions_in(ctx, mask, K))
+            directions, dropped = self._directions_in(ctx, mask, K)
+            found.append(directions)
+            below = max(below, dropped)
             tried += self.tries_per_set * 2 ** (K.shape[1] - 1) if K.shape[1] > 1 else 1
         directions = torch.cat(found) if found else ctx.L.new_empty(0, b)
-        return ProposalBatch(directions, n_drawn=tried)
+        return ProposalBatch(directions, n_drawn=tried, below_threshold=below)

@@ -28,6 +28,10 @@ from spear.errors import InputError
 
 #: an entry of dL/dW' at most this times its row's largest entry is an exact zero
 ZERO_RTOL = 1e-12
+#: a direction dropped for the sparsity threshold alone is reported (``below_threshold``) when
+#: it vanishes on more than this fraction of the rows outside its zero set: between the half a
+#: column has where half the neurons are active (Section 4.1) and the quarter of a mixture of two
+COLUMN_LIKE_FRACTION = 3 / 8
 #: cost-estimate equivalent of the fixed work per zero set and call (see ``cost``)
 PER_SET_OVERHEAD = 5e6
 
@@ -109,8 +113,9 @@ class NextLayerProposer(DirectionProposer):
     ) -> tuple[torch.Tensor, int]:
         """Sparse directions of the subspace K: kernels of g-1 random rows outside the zero set,
         kept when L q has zeros beyond the rows chosen (a mixture of the g columns has none) and
-        as many as the sparsity threshold asks; with the most zeros of those it dropped for the
-        threshold alone (:attr:`ProposalBatch.below_threshold`)."""
+        as many as the sparsity threshold asks; with the most zeros of the column-like ones it
+        dropped for the threshold alone (:attr:`ProposalBatch.below_threshold`, see
+        ``COLUMN_LIKE_FRACTION``)."""
         g = K.shape[1]
         none = K.new_empty(0, K.shape[0])
         if g == 1:
@@ -129,7 +134,10 @@ class NextLayerProposer(DirectionProposer):
         # more zeros than the chosen rows (a column, not a mixture) and enough of them in all
         sparse, total = zeros > 2 * (g - 1), zeros + int(mask.sum())
         good = sparse & (total >= ctx.threshold_count)
-        below = int(total[sparse & ~good].max()) if bool((sparse & ~good).any()) else 0
+        # dropped for the threshold alone, and nearer a column's half of the rows outside the set
+        # than the quarter a mixture of two of the g columns keeps (their shared zeros)
+        column_like = sparse & ~good & (zeros > COLUMN_LIKE_FRACTION * outside.numel())
+        below = int(total[column_like].max()) if bool(column_like.any()) else 0
         if not bool(good.any()):
             return none, below
         q = v[good] @ K.T

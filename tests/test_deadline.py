@@ -362,3 +362,40 @@ def test_a_time_budget_on_an_oversubscribed_machine_warns_once(monkeypatch):
     with warnings.catch_warnings():
         warnings.simplefilter("error", spear.OversubscribedWarning)
         spear.reconstruct(*client.layer_args(), time_budget=1e-9, seed=0)  # once per process
+
+
+def test_model_certificate_checks_samples_in_groups_and_stops_at_the_deadline():
+    # a 62-sample certificate through a 4000-wide tail ran 22 s past a 60 s budget: with a
+    # deadline the gate checks samples in groups sized by the tail's work and stops between them
+    from spear.core.certificate import SampleCertificates
+    from spear.core.verdict import GATE_GROUP_WORK, ModelGate
+
+    class Certifier:
+        classes = 4
+
+        def __init__(self, params: int):
+            self.tail = torch.nn.Linear(params, 1, bias=False)
+            self.calls: list[int] = []
+
+        def __call__(self, inputs, grad_outputs):
+            self.calls.append(inputs.shape[0])
+            k = inputs.shape[0]
+            return SampleCertificates(
+                torch.ones(k, dtype=torch.bool),
+                torch.zeros(k, dtype=torch.long),
+                torch.ones(k, dtype=torch.float64),
+                torch.zeros(k, dtype=torch.float64),
+            )
+
+    big = Certifier(GATE_GROUP_WORK // (4 * 3))  # three samples per group
+    gate = ModelGate(big)
+    x, d, pinned = torch.zeros(8, 2), torch.zeros(8, 3), torch.zeros(8, dtype=torch.bool)
+    whole = gate.check(x, d, pinned, deadline=Deadline.after(3600.0))
+    assert big.calls == [3, 3, 2] and bool(whole.ok.all())
+    big.calls.clear()
+    late = gate.check(x, d, pinned, deadline=PASSED)
+    assert big.calls == [] and not bool(late.ok.any()) and bool((late.labels == -1).all())
+    assert gate.check(x, d, pinned).ok.all() and big.calls == [8]  # no deadline: all at once
+    small = Certifier(10)
+    ModelGate(small).check(x, d, pinned, deadline=Deadline.after(3600.0))
+    assert small.calls == [8]

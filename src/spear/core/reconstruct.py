@@ -596,7 +596,8 @@ class _Attack:
         weakly (a sign-only fit, unsaturated, with one sample's loss weight)."""
         grads = self.setup.expand(self.setup.problem.L @ samples.duals.T).T
         rtol = self._sample_rtol(samples.duals)
-        cert = self.gate.check(self.setup.expand_inputs(samples.inputs), grads, layer_ok, rtol)
+        inputs = self.setup.expand_inputs(samples.inputs)
+        cert = self.gate.check(inputs, grads, layer_ok, rtol, self.setup.deadline)
         if cert is None:
             return layer_ok, layer_ok
         ok = cert.ok.to(layer_ok.device)

@@ -158,7 +158,8 @@ class ModelGate:
             for part in torch.arange(k, device=inputs.device).split(self.group):
                 if deadline.passed():
                     break
-                some = self._certify(inputs[part], grad_outputs[part], None if rtol is None else rtol[part])
+                part_rtol = None if rtol is None else rtol[part.to(rtol.device)]
+                some = self._certify(inputs[part], grad_outputs[part], part_rtol)
                 for name in ("ok", "labels", "weights", "misfit", "strong", "saturated"):
                     mine = getattr(cert, name)
                     mine[part] = getattr(some, name).to(device=mine.device, dtype=mine.dtype)

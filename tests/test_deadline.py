@@ -395,6 +395,9 @@ def test_model_certificate_checks_samples_in_groups_and_stops_at_the_deadline():
     big.calls.clear()
     late = gate.check(x, d, pinned, deadline=PASSED)
     assert big.calls == [] and not bool(late.ok.any()) and bool((late.labels == -1).all())
+    # samples the deadline left unchecked are no evidence against the model (its note)
+    assert gate.failed_pinned == 0 and gate.check(x, d, ~pinned, deadline=PASSED) is not None
+    assert gate.failed_pinned == 0
     assert gate.check(x, d, pinned).ok.all() and big.calls == [8]  # no deadline: all at once
     small = Certifier(10)
     ModelGate(small).check(x, d, pinned, deadline=Deadline.after(3600.0))

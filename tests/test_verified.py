@@ -251,6 +251,61 @@ def test_float32_stops_when_done():
     assert exact(rec.inputs, truth.inputs.double(), 1e-3)
 
 
+def float32_client_with_a_signless_pre_activation():
+    """A float32 client whose first-layer pre-activation (sample 0, some neuron) is positive as
+    the client computed it and negative in exact arithmetic: the bias is stepped by float32 ulps
+    from minus the exact product until the two disagree."""
+    model = mlp(300, 200, seed=3, dtype=torch.float32)
+    x = torch.randn(8, 300, generator=torch.Generator().manual_seed(3))
+    y = torch.arange(8) % 10
+    lin = model[0]
+    for neuron in range(lin.weight.shape[0]):
+        exact_product = float(lin.weight[neuron].detach().double() @ x[0].double())
+        step = torch.tensor(-exact_product, dtype=torch.float32)
+        for _ in range(8):
+            with torch.no_grad():
+                lin.bias[neuron] = step
+                client = float(lin(x)[0, neuron])
+            if client > 0 and exact_product + float(step) < 0:
+                return make_batch(x, y, model), neuron
+            step = torch.nextafter(step, torch.tensor(float("inf")))
+    raise AssertionError("no pre-activation straddles zero")
+
+
+def test_a_pre_activation_the_client_rounded_across_zero_still_verifies_and_certifies():
+    # the true batch, recomputed in float64, masks an entry the float32 client let through: the
+    # data cannot tell that pre-activation's sign, so neither check may hold it against the batch
+    from spear.certify import ModelCertifier, model_tail
+    from spear.core.consistency import Tolerances
+    from spear.core.verify import recompute_gradients, verify
+
+    batch, neuron = float32_client_with_a_signless_pre_activation()
+    lin = batch.model[0]
+    W, bias = lin.weight.detach().double(), lin.bias.detach().double()
+    x, dz = batch.x.double(), batch.dz.double()
+    assert float(dz[0, neuron].abs()) > 0.05 * float(dz[0].abs().max())  # the entry matters
+    tol = Tolerances.for_dtype(torch.float32)
+    observed = (W, bias, batch.grads["0.weight"].double(), batch.grads["0.bias"].double())
+    assert verify(*observed, x, dz.T, "output", tol.verify_rtol, tol.z_rtol).verified
+    assert not verify(*observed, x, dz.T, "output", tol.verify_rtol).verified  # the case bites
+    tail = model_tail(batch.model, "0")
+    assert bool(ModelCertifier(tail, W, bias, rtol=tol.verify_rtol)(x, dz).ok.all())
+    strict = ModelCertifier(tail, W, bias, rtol=tol.verify_rtol, z_rtol=0.0)(x, dz)
+    assert not bool(strict.ok[0]) and bool(strict.ok[1:].all())
+    # the band is the sign-less pre-activations only: the recomputation still masks every
+    # clearly negative one, and a column nonzero at one fails the certificate
+    z = x @ W.T + bias
+    ones = torch.ones(200, 1, dtype=torch.float64)  # dL/db of one sample is its mask
+    through = torch.stack([recompute_gradients(W, bias, x[j : j + 1], ones, "output", tol.z_rtol)[1]
+                           for j in range(8)])  # fmt: skip
+    band = z.abs() <= tol.z_rtol * z.abs().amax(dim=1, keepdim=True)
+    assert torch.equal(through.bool(), (z > 0) | band) and int(band.sum()) == 1
+    negative = int(torch.where(z[0] < -0.1 * z[0].abs().max(), z[0], torch.zeros_like(z[0])).argmin())
+    wrong = dz.clone()
+    wrong[0, negative] = dz[0].abs().max()
+    assert not bool(ModelCertifier(tail, W, bias, rtol=tol.verify_rtol)(x[:1], wrong[:1]).ok[0])
+
+
 @pytest.mark.parametrize(
     "dtype,b,rtol", [(torch.float16, 8, 1e-3), (torch.float16, 20, 1e-3), (torch.bfloat16, 8, 1e-2)]
 )

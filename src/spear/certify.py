@@ -32,6 +32,7 @@ import torch
 from torch import nn
 
 from spear.core.certificate import SampleCertificates
+from spear.core.consistency import Z_RTOL_FRACTION
 from spear.errors import InputError
 from spear.inversion.base import PASS_THROUGH
 
@@ -126,6 +127,13 @@ class ModelCertifier:
             every label ``0..C-1`` (C = the tail's output width) is tried.
         source_dtype: the dtype the client computed its gradient in, for :meth:`rounding` (the
             precision of each sample's column as the client computed it); None: not modelled.
+        z_rtol: where a ReLU follows the layer, a pre-activation within this of the sample's
+            largest ``|z|`` has no sign the data can tell (the client's rounding may have put it
+            on the other side: :mod:`spear.core.consistency`), so its ReLU gate is unknown and
+            that entry is left out of the fit. Default: the verification's band,
+            ``Z_RTOL_FRACTION * rtol``. A float32 first layer of width 4000 had a sample with
+            one pre-activation at -3e-8 of its largest where the client's was positive: its
+            column's entry there, 0.45 of the largest, failed the fit at 0.45.
     """
 
     accepts_sample_rtol = True
@@ -139,6 +147,7 @@ class ModelCertifier:
         loss: str | LossFn = "cross_entropy",
         saturation: float = 0.0,
         source_dtype: torch.dtype | None = None,
+        z_rtol: float | None = None,
     ) -> None:
         self.source_eps = None if source_dtype is None else torch.finfo(source_dtype).eps
         self.models_rounding = isinstance(loss, str) and source_dtype is not None
@@ -154,6 +163,8 @@ class ModelCertifier:
             p.requires_grad_(False)
         self.rtol = rtol
         self.saturation = saturation
+        relu_gated = isinstance(activation_after(self.tail), nn.ReLU)
+        self.z_rtol = (Z_RTOL_FRACTION * rtol if z_rtol is None else z_rtol) if relu_gated else 0.0
         with torch.no_grad():
             out = self.tail(self.bias[None])
         if out.ndim != 2:
@@ -233,8 +244,12 @@ class ModelCertifier:
             tolerance = torch.maximum(tolerance, rtol.to(tolerance))
         chunk = max(1, CHUNK_ELEMENTS // (self.classes * m))
         for part in torch.arange(k, device=x.device).split(chunk):
-            g = self.per_label_gradients(x[part] @ self.weight.T + self.bias)  # (p, C, m)
+            z = x[part] @ self.weight.T + self.bias
+            g = self.per_label_gradients(z)  # (p, C, m)
             dp = d[part].unsqueeze(1)
+            if self.z_rtol > 0:  # entries whose ReLU gate the data cannot tell are left out
+                signed = (z.abs() > self.z_rtol * z.abs().amax(dim=1, keepdim=True)).to(z)[:, None, :]
+                g, dp = g * signed, dp * signed
             weight = (g * dp).sum(dim=-1) / (g * g).sum(dim=-1).clamp_min(torch.finfo(g.dtype).tiny)
             misfit = (dp - weight.unsqueeze(-1) * g).norm(dim=-1) / dp.norm(dim=-1).clamp_min(1e-300)
             misfit = torch.where(weight > 0, misfit, torch.inf)
@@ -245,7 +260,7 @@ class ModelCertifier:
                 runner_up = torch.full_like(best, torch.inf)
             ok = (best <= tolerance[part]) & (runner_up > tolerance[part])
             out.ok[part] = ok
-            saturated = self._sensitivity(x[part] @ self.weight.T + self.bias, label) <= self.saturation
+            saturated = self._sensitivity(z, label) <= self.saturation
             out.saturated[part] = ok & saturated
             out.strong[part] = ok & self._discriminative(g, label) & ~saturated
             out.labels[part] = torch.where(ok, label, -1)

@@ -107,7 +107,7 @@ def certified_batch(
     grad_outputs = setup.expand(problem.L @ peeled.duals.T)
     layer = setup.layer
     observed = (layer.weight, layer.bias, layer.grad_weight, layer.grad_bias)
-    check = verify(*observed, inputs, grad_outputs, "output", tol.verify_rtol)
+    check = verify(*observed, inputs, grad_outputs, "output", tol.verify_rtol, tol.z_rtol)
     masks, certain = setup.column_zeros(directions)
     z_t = peeled.inputs @ problem.weight.T + problem.bias  # (b, live rows)
     matches = pattern_matches(z_t, masks, certain, tol.z_rtol)

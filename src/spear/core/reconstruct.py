@@ -329,6 +329,7 @@ class AttackSetup:
             grad_outputs,
             self.options.sparsity,
             self.tol.verify_rtol,
+            self.tol.z_rtol,
         )
         return (inputs, grad_outputs), check
 

@@ -253,12 +253,17 @@ def test_float32_stops_when_done():
 
 def float32_client_with_a_signless_pre_activation():
     """A float32 client whose first-layer pre-activation (sample 0, some neuron) is positive as
-    the client computed it and negative in exact arithmetic: the bias is stepped by float32 ulps
-    from minus the exact product until the two disagree."""
+    the client computed it and negative in exact arithmetic: a neuron's bias is stepped by
+    float32 ulps from minus the exact product until the two disagree. Of such neurons, the one
+    furthest below zero in exact arithmetic whose dL/dZ entry is a tenth of the column's largest
+    or more: the attacker's recomputation, from inputs recovered to float32 precision, then
+    most likely lands below zero too, and masking the entry matters."""
     model = mlp(300, 200, seed=3, dtype=torch.float32)
     x = torch.randn(8, 300, generator=torch.Generator().manual_seed(3))
     y = torch.arange(8) % 10
     lin = model[0]
+    original = lin.bias.detach().clone()
+    straddling = []  # (exact pre-activation, neuron, bias)
     for neuron in range(lin.weight.shape[0]):
         exact_product = float(lin.weight[neuron].detach().double() @ x[0].double())
         step = torch.tensor(-exact_product, dtype=torch.float32)
@@ -266,9 +271,19 @@ def float32_client_with_a_signless_pre_activation():
             with torch.no_grad():
                 lin.bias[neuron] = step
                 client = float(lin(x)[0, neuron])
+                lin.bias[neuron] = original[neuron]
             if client > 0 and exact_product + float(step) < 0:
-                return make_batch(x, y, model), neuron
+                straddling.append((exact_product + float(step), neuron, step))
+                break
             step = torch.nextafter(step, torch.tensor(float("inf")))
+    for _, neuron, step in sorted(straddling):
+        with torch.no_grad():
+            lin.bias[neuron] = step
+        batch = make_batch(x, y, model)
+        if float(batch.dz[0, neuron].abs()) >= 0.1 * float(batch.dz[0].abs().max()):
+            return batch, neuron
+        with torch.no_grad():
+            lin.bias[neuron] = original[neuron]
     raise AssertionError("no pre-activation straddles zero")
 
 
@@ -283,15 +298,19 @@ def test_a_pre_activation_the_client_rounded_across_zero_still_verifies_and_cert
     lin = batch.model[0]
     W, bias = lin.weight.detach().double(), lin.bias.detach().double()
     x, dz = batch.x.double(), batch.dz.double()
-    assert float(dz[0, neuron].abs()) > 0.05 * float(dz[0].abs().max())  # the entry matters
     tol = Tolerances.for_dtype(torch.float32)
     observed = (W, bias, batch.grads["0.weight"].double(), batch.grads["0.bias"].double())
     assert verify(*observed, x, dz.T, "output", tol.verify_rtol, tol.z_rtol).verified
     assert not verify(*observed, x, dz.T, "output", tol.verify_rtol).verified  # the case bites
     tail = model_tail(batch.model, "0")
-    assert bool(ModelCertifier(tail, W, bias, rtol=tol.verify_rtol)(x, dz).ok.all())
+    certifier = ModelCertifier(tail, W, bias, rtol=tol.verify_rtol)
+    assert certifier.z_rtol == tol.z_rtol and bool(certifier(x, dz).ok.all())
     strict = ModelCertifier(tail, W, bias, rtol=tol.verify_rtol, z_rtol=0.0)(x, dz)
     assert not bool(strict.ok[0]) and bool(strict.ok[1:].all())
+    # the entry must still fit one of the two gates: three times its value fits neither
+    wrong = dz.clone()
+    wrong[0, neuron] *= 3
+    assert not bool(certifier(x[:1], wrong[:1]).ok[0])
     # the band is the sign-less pre-activations only: the recomputation still masks every
     # clearly negative one, and a column nonzero at one fails the certificate
     z = x @ W.T + bias
@@ -299,11 +318,42 @@ def test_a_pre_activation_the_client_rounded_across_zero_still_verifies_and_cert
     through = torch.stack([recompute_gradients(W, bias, x[j : j + 1], ones, "output", tol.z_rtol)[1]
                            for j in range(8)])  # fmt: skip
     band = z.abs() <= tol.z_rtol * z.abs().amax(dim=1, keepdim=True)
-    assert torch.equal(through.bool(), (z > 0) | band) and int(band.sum()) == 1
+    assert torch.equal(through.bool(), (z > 0) | band) and bool(band[0, neuron])
     negative = int(torch.where(z[0] < -0.1 * z[0].abs().max(), z[0], torch.zeros_like(z[0])).argmin())
     wrong = dz.clone()
     wrong[0, negative] = dz[0].abs().max()
-    assert not bool(ModelCertifier(tail, W, bias, rtol=tol.verify_rtol)(x[:1], wrong[:1]).ok[0])
+    assert not bool(certifier(x[:1], wrong[:1]).ok[0])
+    # mixtures of two samples (inputs and columns alike) still fail both checks at float32's
+    # tolerances, the band included
+    for a in (0.3, 0.5):
+        xm, dm = x.clone(), dz.clone()
+        xm[0], dm[0] = a * x[0] + (1 - a) * x[1], a * dz[0] + (1 - a) * dz[1]
+        assert not bool(certifier(xm[:1], dm[:1]).ok[0])
+        assert not verify(*observed, xm, dm.T, "output", tol.verify_rtol, tol.z_rtol).verified
+
+
+@pytest.mark.parametrize("peel", [False, True])
+def test_the_attack_verifies_a_batch_whose_client_rounded_a_pre_activation_across_zero(peel):
+    # end to end: the attack's own recomputation, from the inputs it recovered, and its
+    # certificates leave that gate to the data. Without peeling the assembled batch is the only
+    # route: without the band in either check it was unverified on the machine this was written
+    # on (the recovered pre-activation came out negative too); peeling's samples verified it.
+    batch, _ = float32_client_with_a_signless_pre_activation()
+    rec = spear.attack_layer(batch.model, "0", batch.grads, max_proposals=200_000, seed=0, peel=peel)
+    assert rec.verified, rec.message
+    assert exact(rec.inputs, batch.x.double(), 1e-4) and labels_exact(rec, batch.x.double(), batch.y)
+
+
+def test_a_certifier_of_a_tail_that_is_not_sequential_has_no_band():
+    from spear.certify import ModelCertifier
+
+    class Tail(torch.nn.Module):
+        def forward(self, z):
+            return torch.relu(z)[:, :3]
+
+    lin = torch.nn.Linear(5, 4).double()
+    certifier = ModelCertifier(Tail(), lin.weight, lin.bias, rtol=1e-3)
+    assert certifier.z_rtol == 0.0
 
 
 @pytest.mark.parametrize(

@@ -128,9 +128,10 @@ class ModelCertifier:
         source_dtype: the dtype the client computed its gradient in, for :meth:`rounding` (the
             precision of each sample's column as the client computed it); None: not modelled.
         z_rtol: where a ReLU follows the layer, a pre-activation within this of the sample's
-            largest ``|z|`` has no sign the data can tell (the client's rounding may have put it
-            on the other side: :mod:`spear.core.consistency`), so its ReLU gate is unknown and
-            that entry is left out of the fit. Default: the verification's band,
+            largest positive one has no sign the data can tell (the client's rounding may have
+            put it on the other side: :mod:`spear.core.consistency`). Its entry must fit one of
+            the two gates: the open gate's gradient (at the same fitted weight) or zero; it
+            takes no part in fitting the weight. Default: the verification's band,
             ``Z_RTOL_FRACTION * rtol``. A float32 first layer of width 4000 had a sample with
             one pre-activation at -3e-8 of its largest where the client's was positive: its
             column's entry there, 0.45 of the largest, failed the fit at 0.45.
@@ -163,7 +164,7 @@ class ModelCertifier:
             p.requires_grad_(False)
         self.rtol = rtol
         self.saturation = saturation
-        relu_gated = isinstance(activation_after(self.tail), nn.ReLU)
+        relu_gated = isinstance(tail, nn.Sequential) and isinstance(activation_after(tail), nn.ReLU)
         self.z_rtol = (Z_RTOL_FRACTION * rtol if z_rtol is None else z_rtol) if relu_gated else 0.0
         with torch.no_grad():
             out = self.tail(self.bias[None])
@@ -230,6 +231,27 @@ class ModelCertifier:
             return torch.zeros_like(label, dtype=torch.bool)
         return cos.amax(dim=1) <= PARALLEL_COS
 
+    def _fit(self, z: torch.Tensor, d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Every label's gradient g_y (p, C, m) at pre-activations z (p, m), and the fitted weight
+        s and the relative misfit ``|d - s g_y| / |d|`` (each (p, C)) of columns d (p, m). Sign-less
+        pre-activations (``z_rtol``) are evaluated with their gate open (at the smallest positive
+        pre-activation: a ReLU output of ~0, as on either side of the client's rounding) and left
+        out of the weight's fit; each of their entries then misses by the nearer of the two gates."""
+        tiny = torch.finfo(z.dtype).tiny
+        dp = d.unsqueeze(1)
+        if self.z_rtol <= 0:
+            g = self.per_label_gradients(z)  # (p, C, m)
+            weight = (g * dp).sum(dim=-1) / (g * g).sum(dim=-1).clamp_min(tiny)
+            return g, weight, (dp - weight.unsqueeze(-1) * g).norm(dim=-1) / dp.norm(dim=-1).clamp_min(1e-300)
+        signless = z.abs() <= self.z_rtol * z.clamp_min(0).amax(dim=1, keepdim=True)
+        # the open gate at an activation of ~0: the band's width is no change of the forward pass
+        g = self.per_label_gradients(torch.where(signless, torch.full_like(z, tiny), z))
+        signed = (~signless).to(z)[:, None, :]
+        weight = (g * dp * signed).sum(dim=-1) / (g * g * signed).sum(dim=-1).clamp_min(tiny)
+        miss = dp - weight.unsqueeze(-1) * g
+        miss = torch.where(signless[:, None, :], torch.minimum(miss.abs(), dp.abs()), miss)
+        return g, weight, miss.norm(dim=-1) / dp.norm(dim=-1).clamp_min(1e-300)
+
     def __call__(
         self, inputs: torch.Tensor, grad_outputs: torch.Tensor, rtol: torch.Tensor | None = None
     ) -> SampleCertificates:
@@ -245,13 +267,7 @@ class ModelCertifier:
         chunk = max(1, CHUNK_ELEMENTS // (self.classes * m))
         for part in torch.arange(k, device=x.device).split(chunk):
             z = x[part] @ self.weight.T + self.bias
-            g = self.per_label_gradients(z)  # (p, C, m)
-            dp = d[part].unsqueeze(1)
-            if self.z_rtol > 0:  # entries whose ReLU gate the data cannot tell are left out
-                signed = (z.abs() > self.z_rtol * z.abs().amax(dim=1, keepdim=True)).to(z)[:, None, :]
-                g, dp = g * signed, dp * signed
-            weight = (g * dp).sum(dim=-1) / (g * g).sum(dim=-1).clamp_min(torch.finfo(g.dtype).tiny)
-            misfit = (dp - weight.unsqueeze(-1) * g).norm(dim=-1) / dp.norm(dim=-1).clamp_min(1e-300)
+            g, weight, misfit = self._fit(z, d[part])
             misfit = torch.where(weight > 0, misfit, torch.inf)
             best, label = misfit.min(dim=1)
             if self.classes > 1:
@@ -296,6 +312,27 @@ class WeightedCertifier:
     def rounding(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor | None:
         """The inner certificate's rounding model (:meth:`ModelCertifier.rounding`)."""
         return self.inner.rounding(inputs, labels)
+
+    def _fit(self, z: torch.Tensor, d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Every label's gradient g_y (p, C, m) at pre-activations z (p, m), and the fitted weight
+        s and the relative misfit ``|d - s g_y| / |d|`` (each (p, C)) of columns d (p, m). Sign-less
+        pre-activations (``z_rtol``) are evaluated with their gate open (at the smallest positive
+        pre-activation: a ReLU output of ~0, as on either side of the client's rounding) and left
+        out of the weight's fit; each of their entries then misses by the nearer of the two gates."""
+        tiny = torch.finfo(z.dtype).tiny
+        dp = d.unsqueeze(1)
+        if self.z_rtol <= 0:
+            g = self.per_label_gradients(z)  # (p, C, m)
+            weight = (g * dp).sum(dim=-1) / (g * g).sum(dim=-1).clamp_min(tiny)
+            return g, weight, (dp - weight.unsqueeze(-1) * g).norm(dim=-1) / dp.norm(dim=-1).clamp_min(1e-300)
+        signless = z.abs() <= self.z_rtol * z.clamp_min(0).amax(dim=1, keepdim=True)
+        # the open gate at an activation of ~0: the band's width is no change of the forward pass
+        g = self.per_label_gradients(torch.where(signless, torch.full_like(z, tiny), z))
+        signed = (~signless).to(z)[:, None, :]
+        weight = (g * dp * signed).sum(dim=-1) / (g * g * signed).sum(dim=-1).clamp_min(tiny)
+        miss = dp - weight.unsqueeze(-1) * g
+        miss = torch.where(signless[:, None, :], torch.minimum(miss.abs(), dp.abs()), miss)
+        return g, weight, miss.norm(dim=-1) / dp.norm(dim=-1).clamp_min(1e-300)
 
     def __call__(
         self, inputs: torch.Tensor, grad_outputs: torch.Tensor, rtol: torch.Tensor | None = None

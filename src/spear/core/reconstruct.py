@@ -73,7 +73,7 @@ from spear.core.verdict import (
     sample_tolerances,
     verdict_message,
 )
-from spear.core.verify import verify
+from spear.core.verify import DEAD_ROW_RTOL, live_rows, verify
 from spear.errors import InputError, NoSparsityError, RankError
 
 #: a gradient whose first singular value beyond the batch exceeds this many eps s_max carries
@@ -83,9 +83,6 @@ ROUNDING_NOISE = 100.0
 #: before the gradient is declared not ReLU-sparse, and the zero rate that wait assumes
 NO_SPARSITY_PATIENCE = 200
 NO_SPARSITY_ZERO_RATE = 0.3
-#: a neuron whose row of dL/dW is at most this times the largest row's is dead for the whole
-#: batch (its dL/dZ row is exactly zero: a ReLU inactive for every sample)
-DEAD_ROW_RTOL = 1e-12
 #: selections re-made after the model certificate rejected columns, per step at most
 MAX_REJECTION_ROUNDS = 4
 #: peeled samples whose model weights agree before any of them counts as one sample's weight
@@ -184,8 +181,7 @@ class AttackSetup:
         """``start``: when the time budget began (``time.perf_counter()``); now by default. The
         API passes the moment it was called, so that checking and casting the inputs count."""
         start = time.perf_counter() if start is None else start
-        rows = layer.grad_weight.norm(dim=1)
-        live = rows > DEAD_ROW_RTOL * rows.max()
+        live = live_rows(layer.grad_weight)
         live_inputs = torch.ones(layer.grad_weight.shape[1], dtype=torch.bool, device=live.device)
         if options.sparsity == "input":
             columns = layer.grad_weight.norm(dim=0)

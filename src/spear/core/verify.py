@@ -7,11 +7,12 @@ in output mode the reconstructed dL/dZ is masked by the reconstructed pre-activa
 mode the reconstructed inputs are passed through ReLU. A wrong direction breaks the pattern and
 the gradients no longer match; the true batch matches them to rounding error.
 
-A pre-activation within ``z_rtol`` of its sample's largest ``|z|`` has no sign the data can
-tell (:mod:`spear.core.consistency`): the client's own rounding may have put it on either side
-of zero. The mask lets the reconstructed dL/dZ through there, so the data decide: a float32
-first layer of width 4000 (b = 32) had one pre-activation at -3e-8 of a sample's, where the
-client's was positive. Masking it dropped an entry at 0.45 of its column's largest and put the
+A pre-activation within ``z_rtol`` of its sample's largest ``|z|`` on the live neurons (those
+with a nonzero row of dL/dW: the band sigma uses, :func:`spear.core.consistency.pattern_matches`)
+has no sign the data can tell: the client's own rounding may have put it on either side of
+zero. The mask lets the reconstructed dL/dZ through there, so the data decide: a float32 first
+layer of width 4000 (b = 32) had one pre-activation at -3e-8 of a sample's, where the client's
+was positive. Masking it dropped an entry at 0.45 of its column's largest and put the
 recomputed gradient 3.6e-3 off, with every input right to 8e-8.
 """
 
@@ -25,6 +26,15 @@ from spear.core.scale import SparsityMode
 
 #: default relative tolerance of the verification, by the dtype the gradient was computed in
 DEFAULT_VERIFY_RTOL = {torch.float64: 1e-8, torch.float32: 1e-3}
+#: a neuron whose row of dL/dW is at most this times the largest row's is dead for the whole
+#: batch (its dL/dZ row is exactly zero: a ReLU inactive for every sample)
+DEAD_ROW_RTOL = 1e-12
+
+
+def live_rows(grad_weight: torch.Tensor) -> torch.Tensor:
+    """(m,) the neurons active for some sample: a row of dL/dW above ``DEAD_ROW_RTOL``."""
+    rows = grad_weight.norm(dim=1)
+    return rows > DEAD_ROW_RTOL * rows.max()
 
 
 @dataclass(frozen=True)
@@ -41,12 +51,15 @@ def recompute_gradients(
     grad_outputs: torch.Tensor,
     mode: SparsityMode = "output",
     z_rtol: float = 0.0,
+    live: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """dL/dW and dL/db of ``Z = W X + b`` for inputs (b x n) and dL/dZ (m x b), through the ReLU;
-    pre-activations within ``z_rtol`` of their sample's largest have no sign (see the module doc)."""
+    pre-activations within ``z_rtol`` of their sample's largest on the ``live`` rows (all by
+    default) have no sign (see the module doc)."""
     if mode == "output":
         z = inputs @ weight.T + bias  # (b, m)
-        active = (z > 0) | (z.abs() <= z_rtol * z.abs().amax(dim=1, keepdim=True))
+        scale = (z if live is None else z[:, live]).abs().amax(dim=1, keepdim=True)
+        active = (z > 0) | (z.abs() <= z_rtol * scale)
         grad_z = grad_outputs * active.T.to(grad_outputs.dtype)
         return grad_z @ inputs, grad_z.sum(dim=1)
     relu_inputs = inputs.clamp_min(0)
@@ -65,8 +78,10 @@ def verify(
     z_rtol: float = 0.0,
 ) -> Verification:
     """Compare the recomputed gradients with the observed ones (relative Frobenius error);
-    ``z_rtol``: the band of sign-less pre-activations (:func:`recompute_gradients`)."""
-    gw, gb = recompute_gradients(weight, bias, inputs, grad_outputs, mode, z_rtol)
+    ``z_rtol``: the band of sign-less pre-activations (:func:`recompute_gradients`), relative to
+    each sample's largest on the neurons the observed gradient shows alive."""
+    live = live_rows(grad_weight) if z_rtol > 0 else None
+    gw, gb = recompute_gradients(weight, bias, inputs, grad_outputs, mode, z_rtol, live)
     err_w = torch.linalg.norm(gw - grad_weight) / torch.linalg.norm(grad_weight)
     err_b = torch.linalg.norm(gb - grad_bias) / torch.linalg.norm(grad_bias).clamp_min(1e-300)
     residual = float(torch.maximum(err_w, err_b))

@@ -239,13 +239,11 @@ class ModelCertifier:
         out of the weight's fit; each of their entries then misses by the nearer of the two gates."""
         tiny = torch.finfo(z.dtype).tiny
         dp = d.unsqueeze(1)
-        if self.z_rtol <= 0:
-            g = self.per_label_gradients(z)  # (p, C, m)
-            weight = (g * dp).sum(dim=-1) / (g * g).sum(dim=-1).clamp_min(tiny)
-            return g, weight, (dp - weight.unsqueeze(-1) * g).norm(dim=-1) / dp.norm(dim=-1).clamp_min(1e-300)
-        signless = z.abs() <= self.z_rtol * z.clamp_min(0).amax(dim=1, keepdim=True)
+        signless = torch.zeros_like(z, dtype=torch.bool)
+        if self.z_rtol > 0:
+            signless = z.abs() <= self.z_rtol * z.clamp_min(0).amax(dim=1, keepdim=True)
         # the open gate at an activation of ~0: the band's width is no change of the forward pass
-        g = self.per_label_gradients(torch.where(signless, torch.full_like(z, tiny), z))
+        g = self.per_label_gradients(torch.where(signless, torch.full_like(z, tiny), z))  # (p, C, m)
         signed = (~signless).to(z)[:, None, :]
         weight = (g * dp * signed).sum(dim=-1) / (g * g * signed).sum(dim=-1).clamp_min(tiny)
         miss = dp - weight.unsqueeze(-1) * g
@@ -312,27 +310,6 @@ class WeightedCertifier:
     def rounding(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor | None:
         """The inner certificate's rounding model (:meth:`ModelCertifier.rounding`)."""
         return self.inner.rounding(inputs, labels)
-
-    def _fit(self, z: torch.Tensor, d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Every label's gradient g_y (p, C, m) at pre-activations z (p, m), and the fitted weight
-        s and the relative misfit ``|d - s g_y| / |d|`` (each (p, C)) of columns d (p, m). Sign-less
-        pre-activations (``z_rtol``) are evaluated with their gate open (at the smallest positive
-        pre-activation: a ReLU output of ~0, as on either side of the client's rounding) and left
-        out of the weight's fit; each of their entries then misses by the nearer of the two gates."""
-        tiny = torch.finfo(z.dtype).tiny
-        dp = d.unsqueeze(1)
-        if self.z_rtol <= 0:
-            g = self.per_label_gradients(z)  # (p, C, m)
-            weight = (g * dp).sum(dim=-1) / (g * g).sum(dim=-1).clamp_min(tiny)
-            return g, weight, (dp - weight.unsqueeze(-1) * g).norm(dim=-1) / dp.norm(dim=-1).clamp_min(1e-300)
-        signless = z.abs() <= self.z_rtol * z.clamp_min(0).amax(dim=1, keepdim=True)
-        # the open gate at an activation of ~0: the band's width is no change of the forward pass
-        g = self.per_label_gradients(torch.where(signless, torch.full_like(z, tiny), z))
-        signed = (~signless).to(z)[:, None, :]
-        weight = (g * dp * signed).sum(dim=-1) / (g * g * signed).sum(dim=-1).clamp_min(tiny)
-        miss = dp - weight.unsqueeze(-1) * g
-        miss = torch.where(signless[:, None, :], torch.minimum(miss.abs(), dp.abs()), miss)
-        return g, weight, miss.norm(dim=-1) / dp.norm(dim=-1).clamp_min(1e-300)
 
     def __call__(
         self, inputs: torch.Tensor, grad_outputs: torch.Tensor, rtol: torch.Tensor | None = None

@@ -256,8 +256,11 @@ def float32_client_with_a_signless_pre_activation():
     the client computed it and negative in exact arithmetic: a neuron's bias is stepped by
     float32 ulps from minus the exact product until the two disagree. Of such neurons, the one
     furthest below zero in exact arithmetic whose dL/dZ entry is a tenth of the column's largest
-    or more: the attacker's recomputation, from inputs recovered to float32 precision, then
-    most likely lands below zero too, and masking the entry matters."""
+    or more, and whose masking puts the true batch's recomputed gradient 1e-2 off or more: the
+    attacker's recomputation, from inputs recovered to float32 precision, then most likely
+    lands below zero too, and masking the entry matters on any machine."""
+    from spear.core.verify import verify
+
     model = mlp(300, 200, seed=3, dtype=torch.float32)
     x = torch.randn(8, 300, generator=torch.Generator().manual_seed(3))
     y = torch.arange(8) % 10
@@ -280,7 +283,11 @@ def float32_client_with_a_signless_pre_activation():
         with torch.no_grad():
             lin.bias[neuron] = step
         batch = make_batch(x, y, model)
-        if float(batch.dz[0, neuron].abs()) >= 0.1 * float(batch.dz[0].abs().max()):
+        observed = (lin.weight.double(), lin.bias.double(), batch.grads["0.weight"].double())
+        masked = verify(*observed, batch.grads["0.bias"].double(), batch.x.double(), batch.dz.T.double(),
+                        "output", 1e-3)  # fmt: skip
+        large = float(batch.dz[0, neuron].abs()) >= 0.1 * float(batch.dz[0].abs().max())
+        if large and masked.residual > 1e-2:
             return batch, neuron
         with torch.no_grad():
             lin.bias[neuron] = original[neuron]
@@ -354,6 +361,23 @@ def test_a_certifier_of_a_tail_that_is_not_sequential_has_no_band():
     lin = torch.nn.Linear(5, 4).double()
     certifier = ModelCertifier(Tail(), lin.weight, lin.bias, rtol=1e-3)
     assert certifier.z_rtol == 0.0
+    # a ReLU inside a nested Sequential is found; a Tanh tail has no band
+    inner = torch.nn.Sequential(torch.nn.Identity(), torch.nn.ReLU())
+    nested = torch.nn.Sequential(inner, torch.nn.Linear(4, 3)).double()
+    assert ModelCertifier(nested, lin.weight, lin.bias, rtol=1e-3).z_rtol == pytest.approx(1e-4)
+    dense = torch.nn.Sequential(torch.nn.Tanh(), torch.nn.Linear(4, 3)).double()
+    assert ModelCertifier(dense, lin.weight, lin.bias, rtol=1e-3).z_rtol == 0.0
+
+
+def test_the_recomputed_gate_of_an_exact_zero_stays_closed():
+    # a sample with no pre-activation away from zero (zero input, zero bias) has no band
+    from spear.core.verify import recompute_gradients
+
+    weight = torch.randn(4, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    inputs = torch.zeros(1, 3, dtype=torch.float64)
+    _, grad_bias = recompute_gradients(weight, torch.zeros(4, dtype=torch.float64), inputs,
+                                       torch.ones(4, 1, dtype=torch.float64), "output", 1e-4)  # fmt: skip
+    assert not bool(grad_bias.any())
 
 
 @pytest.mark.parametrize(

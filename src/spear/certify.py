@@ -85,8 +85,14 @@ def model_tail(model: nn.Module, layer: str) -> nn.Sequential | None:
 
 
 def activation_after(tail: nn.Sequential) -> nn.Module | None:
-    """The first module of ``tail`` that changes the layer's output (None if there is none)."""
+    """The first module of ``tail`` that changes the layer's output (None if there is none),
+    looking into nested ``nn.Sequential`` containers."""
     for module in tail:
+        if isinstance(module, nn.Sequential):
+            inner = activation_after(module)
+            if inner is not None:
+                return inner
+            continue
         if isinstance(module, PASS_THROUGH):
             continue
         return module
@@ -234,16 +240,17 @@ class ModelCertifier:
     def _fit(self, z: torch.Tensor, d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Every label's gradient g_y (p, C, m) at pre-activations z (p, m), and the fitted weight
         s and the relative misfit ``|d - s g_y| / |d|`` (each (p, C)) of columns d (p, m). Sign-less
-        pre-activations (``z_rtol``) are evaluated with their gate open (at the smallest positive
-        pre-activation: a ReLU output of ~0, as on either side of the client's rounding) and left
+        pre-activations (``z_rtol``) are evaluated with their gate open (a negative one at the
+        smallest positive value: a ReLU output of ~0, as on either side of the client's rounding) and left
         out of the weight's fit; each of their entries then misses by the nearer of the two gates."""
         tiny = torch.finfo(z.dtype).tiny
         dp = d.unsqueeze(1)
         signless = torch.zeros_like(z, dtype=torch.bool)
         if self.z_rtol > 0:
             signless = z.abs() <= self.z_rtol * z.clamp_min(0).amax(dim=1, keepdim=True)
-        # the open gate at an activation of ~0: the band's width is no change of the forward pass
-        g = self.per_label_gradients(torch.where(signless, torch.full_like(z, tiny), z))  # (p, C, m)
+        # the open gate at the value the client may have had (~0 where the recovered one is
+        # negative): the band's width is no change of the forward pass
+        g = self.per_label_gradients(torch.where(signless, z.clamp_min(tiny), z))  # (p, C, m)
         signed = (~signless).to(z)[:, None, :]
         weight = (g * dp * signed).sum(dim=-1) / (g * g * signed).sum(dim=-1).clamp_min(tiny)
         miss = dp - weight.unsqueeze(-1) * g

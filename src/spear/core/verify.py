@@ -58,8 +58,10 @@ def recompute_gradients(
     default) have no sign (see the module doc)."""
     if mode == "output":
         z = inputs @ weight.T + bias  # (b, m)
-        scale = (z if live is None else z[:, live]).abs().amax(dim=1, keepdim=True)
-        active = (z > 0) | (z.abs() <= z_rtol * scale)
+        active = z > 0
+        if z_rtol > 0 and (live is None or bool(live.any())):
+            scale = (z if live is None else z[:, live]).abs().amax(dim=1, keepdim=True)
+            active |= (z.abs() <= z_rtol * scale) & (scale > 0)
         grad_z = grad_outputs * active.T.to(grad_outputs.dtype)
         return grad_z @ inputs, grad_z.sum(dim=1)
     relu_inputs = inputs.clamp_min(0)

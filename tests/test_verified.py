@@ -370,14 +370,15 @@ def test_a_certifier_of_a_tail_that_is_not_sequential_has_no_band():
 
 
 def test_the_recomputed_gate_of_an_exact_zero_stays_closed():
-    # a sample with no pre-activation away from zero (zero input, zero bias) has no band
+    # torch's ReLU passes nothing at exactly 0: such a gate is known, band or not (a zero input
+    # has no pre-activation away from zero; the second sample has one exact zero among others)
     from spear.core.verify import recompute_gradients
 
-    weight = torch.randn(4, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
-    inputs = torch.zeros(1, 3, dtype=torch.float64)
+    weight = torch.tensor([[1.0, 0, 0], [0, 1, 0], [2, 0, 0], [-1, 0, 0]], dtype=torch.float64)
+    inputs = torch.tensor([[0.0, 0, 0], [1, 0, 0]], dtype=torch.float64)
     _, grad_bias = recompute_gradients(weight, torch.zeros(4, dtype=torch.float64), inputs,
-                                       torch.ones(4, 1, dtype=torch.float64), "output", 1e-4)  # fmt: skip
-    assert not bool(grad_bias.any())
+                                       torch.ones(4, 2, dtype=torch.float64), "output", 1e-4)  # fmt: skip
+    assert grad_bias.tolist() == [1.0, 0.0, 1.0, 0.0]
 
 
 @pytest.mark.parametrize(

@@ -247,7 +247,7 @@ class ModelCertifier:
         dp = d.unsqueeze(1)
         signless = torch.zeros_like(z, dtype=torch.bool)
         if self.z_rtol > 0:
-            signless = z.abs() <= self.z_rtol * z.clamp_min(0).amax(dim=1, keepdim=True)
+            signless = (z.abs() <= self.z_rtol * z.clamp_min(0).amax(dim=1, keepdim=True)) & (z != 0)
         # the open gate at the value the client may have had (~0 where the recovered one is
         # negative): the band's width is no change of the forward pass
         g = self.per_label_gradients(torch.where(signless, z.clamp_min(tiny), z))  # (p, C, m)

@@ -61,7 +61,7 @@ def recompute_gradients(
         active = z > 0
         if z_rtol > 0 and (live is None or bool(live.any())):
             scale = (z if live is None else z[:, live]).abs().amax(dim=1, keepdim=True)
-            active |= (z.abs() <= z_rtol * scale) & (scale > 0)
+            active |= (z.abs() <= z_rtol * scale) & (z != 0)  # an exact zero's gate is closed
         grad_z = grad_outputs * active.T.to(grad_outputs.dtype)
         return grad_z @ inputs, grad_z.sum(dim=1)
     relu_inputs = inputs.clamp_min(0)

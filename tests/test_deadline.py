@@ -364,11 +364,14 @@ def test_a_time_budget_on_an_oversubscribed_machine_warns_once(monkeypatch):
         spear.reconstruct(*client.layer_args(), time_budget=1e-9, seed=0)  # once per process
 
 
-def test_model_certificate_checks_samples_in_groups_and_stops_at_the_deadline():
+def test_model_certificate_checks_samples_in_groups_and_stops_at_the_deadline(monkeypatch):
     # a 62-sample certificate through a 4000-wide tail ran 22 s past a 60 s budget: with a
     # deadline the gate checks samples in groups sized by the tail's work and stops between them
+    import spear.core.verdict
     from spear.core.certificate import SampleCertificates
-    from spear.core.verdict import GATE_GROUP_WORK, ModelGate
+    from spear.core.verdict import ModelGate
+
+    monkeypatch.setattr(spear.core.verdict, "GATE_GROUP_WORK", 1200)  # a small tail's work
 
     class Certifier:
         classes = 4
@@ -387,7 +390,7 @@ def test_model_certificate_checks_samples_in_groups_and_stops_at_the_deadline():
                 torch.zeros(k, dtype=torch.float64),
             )
 
-    big = Certifier(GATE_GROUP_WORK // (4 * 3))  # three samples per group
+    big = Certifier(1200 // (4 * 3))  # three samples per group
     gate = ModelGate(big)
     x, d, pinned = torch.zeros(8, 2), torch.zeros(8, 3), torch.zeros(8, dtype=torch.bool)
     whole = gate.check(x, d, pinned, deadline=Deadline.after(3600.0))

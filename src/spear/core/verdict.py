@@ -70,9 +70,12 @@ def sample_tolerances(
 
 
 #: work (per-label passes through the rest of the network: labels x its parameters) of one group
-#: of samples the model certificate checks between two looks at the deadline: one sample at a
-#: time for the m = 4000 MLP (a 62-sample certificate ran 22 s past a 60 s budget), 26 for m = 500
-GATE_GROUP_WORK = 2**28
+#: of samples the model certificate checks between two looks at the deadline (a 62-sample
+#: certificate through the m = 4000 MLP's tail ran 22 s past a 60 s budget): six samples at a
+#: time there, about 0.5 s a group on 2 cores; 107 for m = 1000, 429 for m = 500. A group is
+#: memory-bound on the tail's weights, so smaller ones cost time: one sample at a time (2**28)
+#: doubled an m = 4000 attack (float64, b = 32: 15.5 s, 7.5 s in groups of six)
+GATE_GROUP_WORK = 2**32
 #: layer-pinned samples that must fail the model certificate, with none passing it, before the
 #: result notes that it may not apply to this client (another loss, dropout, batch norm, ...)
 MODEL_CALIBRATION = 3

@@ -73,7 +73,7 @@ from spear.core.verdict import (
     sample_tolerances,
     verdict_message,
 )
-from spear.core.verify import DEAD_ROW_RTOL, live_rows, verify
+from spear.core.verify import live_rows, verify
 from spear.errors import InputError, NoSparsityError, RankError
 
 #: a gradient whose first singular value beyond the batch exceeds this many eps s_max carries
@@ -184,8 +184,7 @@ class AttackSetup:
         live = live_rows(layer.grad_weight)
         live_inputs = torch.ones(layer.grad_weight.shape[1], dtype=torch.bool, device=live.device)
         if options.sparsity == "input":
-            columns = layer.grad_weight.norm(dim=0)
-            live_inputs = columns > DEAD_ROW_RTOL * columns.max()
+            live_inputs = live_rows(layer.grad_weight.T)  # features some sample has nonzero
         grad_weight = layer.grad_weight[live][:, live_inputs]
         low_precision = torch.finfo(source_dtype).eps > LOW_PRECISION_EPS
         split = (equilibrated_split if low_precision else low_rank_split)(

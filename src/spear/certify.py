@@ -191,6 +191,15 @@ class ModelCertifier:
             (grad,) = torch.autograd.grad(loss, rep)
         return grad.view(k, C, m)
 
+    def gradients(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """(k, m) what the model predicts for the columns of k labelled samples (inputs (k, n)):
+        each one's ``d loss(tail(z_j), y_j) / dz`` at unit loss weight."""
+        z = (inputs.detach().to(self.weight) @ self.weight.T + self.bias).requires_grad_(True)
+        with torch.enable_grad():
+            loss = self.loss(self.tail(z), labels.to(z.device)).sum()
+            (grad,) = torch.autograd.grad(loss, z)
+        return grad
+
     def _sensitivity(self, z: torch.Tensor, label: torch.Tensor) -> torch.Tensor:
         """``|H u| |z| / |g|`` per sample: the relative change of the per-sample gradient g per
         relative change of the pre-activations z along ``u = z / |z|`` (H: the loss's Hessian
@@ -317,6 +326,11 @@ class WeightedCertifier:
     def rounding(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor | None:
         """The inner certificate's rounding model (:meth:`ModelCertifier.rounding`)."""
         return self.inner.rounding(inputs, labels)
+
+    def gradients(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """The inner certificate's predicted columns at unit loss weight
+        (:meth:`ModelCertifier.gradients`): a sample's weight scales its column, not its shape."""
+        return self.inner.gradients(inputs, labels)
 
     def __call__(
         self, inputs: torch.Tensor, grad_outputs: torch.Tensor, rtol: torch.Tensor | None = None

@@ -79,6 +79,12 @@ class SampleCertifier(Protocol):
     Optionally, ``rounding(inputs, labels) -> (k,) or None``: the relative rounding error of
     each labelled sample's column as the client computed it. Given, a batch the certifier
     verifies is audited at the data's precision (:func:`spear.core.verdict.audit_precision`).
+
+    Optionally, ``gradients(inputs, labels) -> (k, m)``: the columns the model predicts for k
+    labelled samples at unit loss weight. Given, an active entry whose gradient falls below the
+    data's zero floor (a *silent* entry, :func:`spear.core.consistency.contradictions`) does not
+    hold sigma below 1 when the model predicts it below the zero band too
+    (:func:`spear.core.verdict.model_explains_silent`).
     """
 
     def __call__(self, inputs: torch.Tensor, grad_outputs: torch.Tensor) -> SampleCertificates: ...

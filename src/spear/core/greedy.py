@@ -42,10 +42,15 @@ class Selection:
     scales: torch.Tensor
     sigma: float
     consistent_columns: int  # columns whose every entry matches the ReLU pattern
+    #: silent entries (active, gradient below the data's floor) that the model predicts below
+    #: the zero band, and that alone hold sigma below 1 (:func:`spear.core.verdict.
+    #: model_explains_silent`); 0 when sigma is 1 or not explained
+    explained: int = 0
 
     @property
     def perfect(self) -> bool:
-        return self.sigma >= 1.0
+        """sigma = 1, or every entry that holds it below 1 explained by the model."""
+        return self.sigma >= 1.0 or self.explained > 0
 
 
 def score(

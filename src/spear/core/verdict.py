@@ -256,6 +256,12 @@ def judge(
                 "of the gradient at its weakest singular values), so they are checked and assembled "
                 "to that precision, not to the verification tolerance"
             )
+        if selection.explained and verdict.verified:
+            verdict.notes.append(
+                f"sigma is {selection.sigma:.6f}, not 1, for {selection.explained} active entr"
+                f"{'y' if selection.explained == 1 else 'ies'} of dL/dZ below the data's zero floor "
+                "(gradients that cancel by chance), each of which the model predicts below the zero band too"
+            )
         refused = verdict.verified_by == "model" and precision is not None
         refused = refused and audit_precision(verdict, gate, precision, sample_rtol, clients)
         # a refused batch may hold a mixture whose partner the audit cannot name: none counts
@@ -441,6 +447,38 @@ def _audit_problem(
             "tolerance, not to the precision the data give them: an input may be scaled by that much"
         )
     return None
+
+
+def model_explains_silent(
+    gate: ModelGate,
+    inputs: torch.Tensor,
+    grad_outputs: torch.Tensor,
+    silent: torch.Tensor,
+    zero_rtol: float,
+    rtol: torch.Tensor | None = None,
+) -> bool:
+    """Whether the model accounts for every silent entry (``silent`` (b, m): an active neuron
+    whose dL/dZ the data put below their zero floor, :func:`spear.core.consistency.
+    contradictions`) of an assembled batch (inputs (b, n), full-width dL/dZ (m, b)). It does
+    when it certifies each column holding one (its label), and its own column for that label is
+    within ``zero_rtol`` of its largest there: the model predicts a value the data cannot tell
+    from zero. A mixture's silent entries (rows where its mixed input is active while its
+    column vanishes by the mixing) get a generic gradient from the model and fail; the batch
+    still has to pass the whole model-level verdict afterwards. Needs the certifier's optional
+    ``gradients`` (:class:`~spear.core.certificate.SampleCertifier`)."""
+    gradients = getattr(gate.certifier, "gradients", None)
+    columns = silent.any(dim=1).nonzero()[:, 0]
+    if gradients is None or columns.numel() == 0:
+        return False
+    unpinned = torch.zeros(columns.numel(), dtype=torch.bool, device=silent.device)
+    cert = gate.check(
+        inputs[columns], grad_outputs[:, columns].T, unpinned, None if rtol is None else rtol[columns]
+    )
+    if cert is None or not bool(cert.ok.all()):
+        return False
+    predicted = gradients(inputs[columns], cert.labels).abs().to(torch.float64)
+    below = predicted <= zero_rtol * predicted.amax(dim=1, keepdim=True)
+    return bool((below.to(silent.device) | ~silent[columns]).all())
 
 
 def _judge_by_model(

@@ -520,7 +520,7 @@ class _Attack:
         """The swaps the last selection skipped (a step that certified samples), when the run
         ends before a step that certifies none: a perfect selection may be one swap away. Not
         past the deadline (the time budget is a promise)."""
-        done = self.best is not None and self.best.perfect
+        done = self._settled()
         if self.swaps_deferred and not done and not self.setup.deadline.passed():
             self.swaps_deferred = False
             self._select()
@@ -773,10 +773,10 @@ class _Attack:
                 return
             if max_sweeps is None:
                 self.swept.remember(pool, selection)
-            if self.best is not None and selection.sigma < self.best.sigma:
-                return
             chosen = list(selection.indices)
-            selection = self._explain_silent(selection, chosen)
+            selection = self._explain_silent(selection, pool.zero_masks[chosen], pool.certain_zero[chosen])
+            if self.best is not None and selection.sigma < self.best.sigma and not selection.perfect:
+                return
             # a robust candidate that peeling refuted pins nothing (float32 mixtures can be robust)
             pinned = pool.robust[chosen] & ~pool.refuted[chosen]
             selection, polished = self._polish(selection)
@@ -789,19 +789,19 @@ class _Attack:
             self.best, self.verdict = selection, verdict
             return
 
-    def _explain_silent(self, selection: Selection, chosen: list[int]) -> Selection:
+    def _explain_silent(self, selection: Selection, masks: torch.Tensor, certain: torch.Tensor) -> Selection:
         """A selection below sigma = 1 only for silent entries (an active neuron whose gradient
         lies below the data's zero floor, :func:`~spear.core.consistency.contradictions`), each
         of which the model predicts below the zero band too, counts as perfect (``explained``);
         else it is returned as it is. The true batch of a trained float32 MLP (m = 1000, b = 32)
         had one such entry (6.8e-8 of its column's largest; z 0.99) and searched to the end of
-        its budget for a selection with sigma = 1 that no batch has."""
-        s, pool = self.setup, self.pool
+        its budget for a selection with sigma = 1 that no batch has. ``masks``, ``certain``
+        (b, rows): its columns' zero and certainly zero entries."""
+        s = self.setup
         if selection.perfect or s.options.sparsity != "output" or not self.gate.active:
             return selection
         Qbar, scales = selection.Qbar, selection.scales
         z_t = s.problem.pre_activations_t(Qbar[None], scales[None])[0]
-        masks, certain = pool.zero_masks[chosen], pool.certain_zero[chosen]
         refuting, silent = contradictions(z_t, masks, certain, s.tol.z_rtol)
         if bool(refuting.any()) or not bool(silent.any()):
             return selection
@@ -874,9 +874,14 @@ class _Attack:
         sigma, valid, c, consistent = score(
             s.problem, result.Qbar[None], masks[None], certain[None], s.tol.z_rtol
         )
-        if not bool(valid[0]) or float(sigma[0]) < 1.0:
+        if not bool(valid[0]):
             return selection, none
-        return Selection(selection.indices, result.Qbar, c[0], float(sigma[0]), int(consistent[0])), result
+        polished = Selection(selection.indices, result.Qbar, c[0], float(sigma[0]), int(consistent[0]))
+        if not polished.perfect and selection.explained:
+            polished = self._explain_silent(polished, masks, certain)  # audited like any other
+        if not polished.perfect:
+            return selection, none
+        return polished, result
 
     def _judge(
         self, selection: Selection, certified: torch.Tensor, robust: torch.Tensor, polished: torch.Tensor
@@ -1063,6 +1068,15 @@ class _Attack:
             )
         )
 
+    def _settled(self) -> bool:
+        """Whether the best selection ends the search: sigma = 1 (verified or not: no swap can
+        raise it), or silent entries explained by the model and the batch verified (an
+        unverified one may yet give way to a selection of sigma = 1)."""
+        best = self.best
+        if best is None or not best.perfect:
+            return False
+        return best.sigma >= 1.0 or (self.verdict is not None and self.verdict.verified)
+
     def _accepted_outside(self) -> bool:
         """Whether ``stop_when`` accepts a new best selection that is not perfect."""
         check = self.setup.options.stop_when
@@ -1084,8 +1098,8 @@ class _Attack:
                     break
                 batch = self.step()
                 self._progress()
-                if self.best is not None and self.best.perfect and opts.early_stop:
-                    reason = "sigma=1"
+                if self._settled() and opts.early_stop:
+                    reason = "sigma=1" if self.best.sigma >= 1.0 else "explained"
                     break
                 if self._accepted_outside():
                     reason = "accepted"

@@ -95,7 +95,9 @@ class AttackStats:
     seconds: float
     seed: int
     proposer: str
-    stop_reason: str  # "sigma=1", "accepted", "budget", "time budget", "interrupted", "exhausted", "trivial"
+    #: "sigma=1", "explained" (a verified batch below sigma = 1 for silent entries the model
+    #: explains), "accepted", "budget", "time budget", "interrupted", "exhausted", "trivial"
+    stop_reason: str
     threshold_count: int
     tau: float
     certified: int = 0  # samples certified one by one (peeled, or model-certified columns)
@@ -143,7 +145,9 @@ class Reconstruction:
         client_batch_size, missing_samples: for a mean loss, the client's batch size B (read off
             the loss weight 1/B) and how many of its samples left no trace in this layer (every
             neuron inactive for them: no attack on this layer can see them).
-        consistent: the gradients are reproduced and sigma = 1 (necessary, not sufficient).
+        consistent: the gradients are reproduced and sigma = 1 (necessary, not sufficient), or
+            sigma < 1 only for silent entries the model explains (then ``consistent_directions``
+            < b and ``notes`` say so; :func:`spear.core.verdict.model_explains_silent`).
         ambiguous: groups of sample indices (into ``inputs``) that this layer's gradient does
             not determine (e.g. samples sharing an activation pattern: only their span is).
         certified_labels: (f,) labels of ``certified_inputs`` (-1 where unknown), or None.

@@ -181,7 +181,7 @@ class Verdict:
     inputs: torch.Tensor
     grad_outputs: torch.Tensor  # (m, b), full layer width
     check: Verification
-    consistent: bool  # gradients reproduced and sigma = 1
+    consistent: bool  # gradients reproduced and sigma = 1 (or its shortfall explained: Selection.explained)
     determinacy: Determinacy
     certificates: SampleCertificates | None
     reduction: BatchReduction
@@ -471,9 +471,8 @@ def model_explains_silent(
     if gradients is None or columns.numel() == 0:
         return False
     unpinned = torch.zeros(columns.numel(), dtype=torch.bool, device=silent.device)
-    cert = gate.check(
-        inputs[columns], grad_outputs[:, columns].T, unpinned, None if rtol is None else rtol[columns]
-    )
+    own = None if rtol is None else rtol.to(columns.device)[columns]
+    cert = gate.check(inputs[columns], grad_outputs[:, columns].T, unpinned, own)
     if cert is None or not bool(cert.ok.all()):
         return False
     predicted = gradients(inputs[columns], cert.labels).abs().to(torch.float64)

@@ -183,3 +183,26 @@ def test_a_mixture_is_not_explained():
     silent[0, row] = True
     gate = ModelGate(certifier_of(model))
     assert not model_explains_silent(gate, mixed[None], column[:, None], silent, 1e-9)
+
+
+def test_an_explained_batch_that_does_not_verify_is_judged_once_and_searched_on(monkeypatch):
+    """An explained selection the verdict refuses does not end the search (a selection at
+    sigma = 1 may yet come), and is not judged again while the pool and peeled samples stand."""
+    judged = []
+
+    def refusing_judge(selection, *args, **kwargs):
+        verdict = original_judge(selection, *args, **kwargs)
+        if selection.explained:
+            judged.append(selection.indices)
+            verdict.verified_by = None
+        return verdict
+
+    original_judge = reconstruct_module.judge
+    monkeypatch.setattr(reconstruct_module, "judge", refusing_judge)
+    model, _, _, grads, _ = silent_client()
+    rec = spear.attack_layer(model, "0", grads, seed=0, max_proposals=5_000)
+    assert judged
+    assert not rec.verified
+    assert rec.stats.stop_reason != "explained"
+    assert rec.stats.proposals >= 5_000  # searched to the end of its budget
+    assert len(judged) == 1  # the same explained selection, every time the pool grew

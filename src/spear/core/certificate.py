@@ -83,7 +83,8 @@ class SampleCertifier(Protocol):
     Optionally, ``gradients(inputs, labels) -> (k, m)``: the columns the model predicts for k
     labelled samples at unit loss weight. Given, an active entry whose gradient falls below the
     data's zero floor (a *silent* entry, :func:`spear.core.consistency.contradictions`) does not
-    hold sigma below 1 when the model predicts it below the zero band too
+    hold sigma below 1 when the batch has no other contradiction, reproduces the gradient, and
+    the certifier certifies the entry's column and predicts it below the zero band too
     (:func:`spear.core.verdict.model_explains_silent`).
     """
 

@@ -472,6 +472,7 @@ class _Attack:
         self.resolvable = setup.resolvable
         self._offered: Selection | None = None  # the last selection shown to stop_when
         self.swept = SweptSelection()  # where the last selection's swaps ended
+        self.silent_tried: set[tuple[int, int, bool]] = set()  # see _explain_silent
         self.certified_judged = False  # the batch of b samples certified one by one was judged
         #: the next layer's row space (peeling's P), which checks certified inputs one by one;
         #: None without output-side peeling (the batch of certified samples is then not judged)
@@ -774,8 +775,11 @@ class _Attack:
             if max_sweeps is None:
                 self.swept.remember(pool, selection)
             chosen = list(selection.indices)
+            best = self.best
+            if best is not None and best.sigma >= 1.0 and selection.sigma < 1.0:
+                return  # nothing below sigma = 1 displaces a selection at 1, explained or not
             selection = self._explain_silent(selection, pool.zero_masks[chosen], pool.certain_zero[chosen])
-            if self.best is not None and selection.sigma < self.best.sigma and not selection.perfect:
+            if best is not None and not selection.perfect and (best.perfect or selection.sigma < best.sigma):
                 return
             # a robust candidate that peeling refuted pins nothing (float32 mixtures can be robust)
             pinned = pool.robust[chosen] & ~pool.refuted[chosen]
@@ -789,17 +793,28 @@ class _Attack:
             self.best, self.verdict = selection, verdict
             return
 
-    def _explain_silent(self, selection: Selection, masks: torch.Tensor, certain: torch.Tensor) -> Selection:
+    def _explain_silent(
+        self, selection: Selection, masks: torch.Tensor, certain: torch.Tensor, polished: bool = False
+    ) -> Selection:
         """A selection below sigma = 1 only for silent entries (an active neuron whose gradient
         lies below the data's zero floor, :func:`~spear.core.consistency.contradictions`), each
         of which the model predicts below the zero band too, counts as perfect (``explained``);
         else it is returned as it is. The true batch of a trained float32 MLP (m = 1000, b = 32)
         had one such entry (6.8e-8 of its column's largest; z 0.99) and searched to the end of
         its budget for a selection with sigma = 1 that no batch has. ``masks``, ``certain``
-        (b, rows): its columns' zero and certainly zero entries."""
+        (b, rows): its columns' zero and certainly zero entries; ``polished``: its directions
+        were polished (:meth:`_polish`), as the unpolished selection was explained before."""
         s = self.setup
-        if selection.perfect or s.options.sparsity != "output" or not self.gate.active:
+        explains = hasattr(self.gate.certifier, "gradients") and s.options.sparsity == "output"
+        if selection.perfect or not explains:
             return selection
+        # each selection (its directions: the pool's indices move as it changes) is explained
+        # once while the peeled samples stand: an explained one that did not verify is not judged
+        # again, nor one that failed retried
+        key = (hash(selection.Qbar.detach().cpu().numpy().tobytes()), len(self.peeled), polished)
+        if key in self.silent_tried:
+            return selection
+        self.silent_tried.add(key)
         Qbar, scales = selection.Qbar, selection.scales
         z_t = s.problem.pre_activations_t(Qbar[None], scales[None])[0]
         refuting, silent = contradictions(z_t, masks, certain, s.tol.z_rtol)
@@ -808,7 +823,7 @@ class _Attack:
         (inputs, grad_outputs), check = s.assemble_and_check(selection)
         if not check.verified:
             return selection
-        full = s.expand(silent.T.to(z_t.dtype)).T > 0  # (b, m) on the layer's full width
+        full = s.expand(silent.T).T  # (b, m) on the layer's full width
         rtol = self._sample_rtol(Qbar.T)
         if not model_explains_silent(self.gate, inputs, grad_outputs, full, s.tol.zero_rtol, rtol):
             return selection
@@ -878,7 +893,7 @@ class _Attack:
             return selection, none
         polished = Selection(selection.indices, result.Qbar, c[0], float(sigma[0]), int(consistent[0]))
         if not polished.perfect and selection.explained:
-            polished = self._explain_silent(polished, masks, certain)  # audited like any other
+            polished = self._explain_silent(polished, masks, certain, polished=True)  # audited as any
         if not polished.perfect:
             return selection, none
         return polished, result
@@ -1081,7 +1096,7 @@ class _Attack:
         """Whether ``stop_when`` accepts a new best selection that is not perfect."""
         check = self.setup.options.stop_when
         best = self.best
-        if check is None or best is None or best.perfect or best is self._offered:
+        if check is None or best is None or self._settled() or best is self._offered:
             return False
         self._offered = best
         (inputs, grad_outputs), _ = self.setup.assemble_and_check(best)

@@ -256,9 +256,9 @@ def judge(
                 "of the gradient at its weakest singular values), so they are checked and assembled "
                 "to that precision, not to the verification tolerance"
             )
-        if selection.explained and verdict.verified:
+        if selection.explained:
             verdict.notes.append(
-                f"sigma is {selection.sigma:.6f}, not 1, for {selection.explained} active entr"
+                f"sigma is 1 - {1.0 - selection.sigma:.1e}: {selection.explained} active entr"
                 f"{'y' if selection.explained == 1 else 'ies'} of dL/dZ below the data's zero floor "
                 "(gradients that cancel by chance), each of which the model predicts below the zero band too"
             )
@@ -462,7 +462,8 @@ def model_explains_silent(
     contradictions`) of an assembled batch (inputs (b, n), full-width dL/dZ (m, b)). It does
     when it certifies each column holding one (its label), and its own column for that label is
     within ``zero_rtol`` of its largest there: the model predicts a value the data cannot tell
-    from zero. A mixture's silent entries (rows where its mixed input is active while its
+    from zero (entries below ``zero_rtol`` contradict nothing either way). The certificate is
+    the stronger check: its misfit (at most ``verify_rtol`` of the column) bounds every entry. A mixture's silent entries (rows where its mixed input is active while its
     column vanishes by the mixing) get a generic gradient from the model and fail; the batch
     still has to pass the whole model-level verdict afterwards. Needs the certifier's optional
     ``gradients`` (:class:`~spear.core.certificate.SampleCertifier`)."""

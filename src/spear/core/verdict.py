@@ -463,9 +463,10 @@ def model_explains_silent(
     when it certifies each column holding one (its label), and its own column for that label is
     within ``zero_rtol`` of its largest there: the model predicts a value the data cannot tell
     from zero (entries below ``zero_rtol`` contradict nothing either way). The certificate is
-    the stronger check: its misfit (at most ``verify_rtol`` of the column) bounds every entry. A mixture's silent entries (rows where its mixed input is active while its
-    column vanishes by the mixing) get a generic gradient from the model and fail; the batch
-    still has to pass the whole model-level verdict afterwards. Needs the certifier's optional
+    the stronger check: its misfit (at most ``verify_rtol`` of the column) bounds every entry.
+    A mixture's silent entries (rows where its mixed input is active while its column vanishes
+    by the mixing) get a generic gradient from the model and fail; the batch still has to pass
+    the whole model-level verdict afterwards. Needs the certifier's optional
     ``gradients`` (:class:`~spear.core.certificate.SampleCertifier`)."""
     gradients = getattr(gate.certifier, "gradients", None)
     columns = silent.any(dim=1).nonzero()[:, 0]

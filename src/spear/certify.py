@@ -180,25 +180,25 @@ class ModelCertifier:
             )
         self.classes = int(out.shape[1])
 
-    def per_label_gradients(self, z: torch.Tensor) -> torch.Tensor:
-        """``d loss(tail(z_j), y) / dz`` for k pre-activations (k, m) and every label: (k, C, m)."""
-        k, m = z.shape
-        C = self.classes
-        rep = z.repeat_interleave(C, dim=0).detach().requires_grad_(True)
-        labels = torch.arange(C, device=z.device).repeat(k)
-        with torch.enable_grad():
-            loss = self.loss(self.tail(rep), labels).sum()
-            (grad,) = torch.autograd.grad(loss, rep)
-        return grad.view(k, C, m)
-
-    def gradients(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """(k, m) what the model predicts for the columns of k labelled samples (inputs (k, n)):
-        each one's ``d loss(tail(z_j), y_j) / dz`` at unit loss weight."""
-        z = (inputs.detach().to(self.weight) @ self.weight.T + self.bias).requires_grad_(True)
+    def _loss_gradient(self, z: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """``d loss(tail(z_j), y_j) / dz`` for pre-activations (k, m) and their labels (k,)."""
+        z = z.detach().requires_grad_(True)
         with torch.enable_grad():
             loss = self.loss(self.tail(z), labels.to(z.device)).sum()
             (grad,) = torch.autograd.grad(loss, z)
         return grad
+
+    def per_label_gradients(self, z: torch.Tensor) -> torch.Tensor:
+        """``d loss(tail(z_j), y) / dz`` for k pre-activations (k, m) and every label: (k, C, m)."""
+        k, m = z.shape
+        C = self.classes
+        labels = torch.arange(C, device=z.device).repeat(k)
+        return self._loss_gradient(z.repeat_interleave(C, dim=0), labels).view(k, C, m)
+
+    def gradients(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """(k, m) what the model predicts for the columns of k labelled samples (inputs (k, n)):
+        each one's ``d loss(tail(z_j), y_j) / dz`` at unit loss weight."""
+        return self._loss_gradient(inputs.detach().to(self.weight) @ self.weight.T + self.bias, labels)
 
     def _sensitivity(self, z: torch.Tensor, label: torch.Tensor) -> torch.Tensor:
         """``|H u| |z| / |g|`` per sample: the relative change of the per-sample gradient g per

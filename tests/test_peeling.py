@@ -12,6 +12,7 @@ from spear.core.lowrank import low_rank_split
 from spear.core.peeling import (
     PeeledSamples,
     SamplePeeler,
+    certified_in_order,
     mutually_consistent,
     residual_problem,
 )
@@ -713,3 +714,57 @@ def test_samples_without_step_5_never_pair_next_layer_rows_with_the_wrong_sample
     assert both.next_grad_outputs is not None and both.next_grad_outputs.shape == (1, 3)
     both.extend(without)
     assert len(both) == 2 and both.next_grad_outputs is None  # was (1, 3) beside 2 samples
+
+
+def _samples(duals, coefficients):
+    n = duals.shape[0]
+    return PeeledSamples(duals.clone(), coefficients, torch.zeros(n, 3, dtype=duals.dtype), duals)
+
+
+def _duplicates_and_mixtures(seed, b=12, n=40):
+    """Peeled samples (the first three true ones) and n new ones: copies of true samples (a
+    float32 step snaps many directions of one), rounded copies, and mixtures, in random order."""
+    g = torch.Generator().manual_seed(seed)
+    U = torch.linalg.qr(torch.randn(b, b, generator=g, dtype=torch.float64))[0]  # u_j . r_k = delta
+    pick = torch.randint(3, b, (n,), generator=g)
+    duals, coefficients = U[pick].clone(), U[pick].clone()
+    duals += 1e-12 * torch.randn(n, b, generator=g, dtype=torch.float64)  # copies up to rounding
+    mixed = torch.rand(n, generator=g) < 0.25
+    duals[mixed] = torch.randn(int(mixed.sum()), b, generator=g, dtype=torch.float64)
+    if bool(mixed.any()):
+        duals[mixed.nonzero()[0, 0]] = torch.nan  # a failed solve clashes with everything
+    return _samples(U[:3], U[:3]), _samples(duals, coefficients), g
+
+
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("group", [None, 1, 4])
+def test_certified_in_order_keeps_what_the_eager_rule_keeps(seed, group):
+    # the same samples as certifying every one and then mutually_consistent, with a
+    # certificate asked only where it can matter (once per duplicate that is kept)
+    peeled, new, g = _duplicates_and_mixtures(seed)
+    n = len(new)
+    candidate = torch.rand(n, generator=g) < 0.9
+    ok = torch.rand(n, generator=g) < 0.7
+    passed = (candidate & ok).nonzero()[:, 0]
+    eager = torch.zeros(n, dtype=torch.bool)
+    eager[passed[mutually_consistent(peeled, new.select(passed), RTOL)]] = True
+    asked = []
+
+    def certify(index):
+        assert index.numel() and (group is None or index.numel() <= group)
+        assert not set(index.tolist()) & set(asked), "a certificate asked twice"
+        asked.extend(index.tolist())
+        return ok[index]
+
+    lazy = certified_in_order(peeled, new, candidate, certify, RTOL, group)
+    assert lazy.tolist() == eager.tolist()
+    assert eager.any() and len(asked) < int(candidate.sum())  # duplicates were not certified
+
+
+def test_certified_in_order_asks_once_per_sample_when_every_certificate_passes():
+    peeled, new, _ = _duplicates_and_mixtures(0)
+    every = torch.ones(len(new), dtype=torch.bool)
+    asked = []
+    keep = certified_in_order(peeled, new, every, lambda i: asked.extend(i.tolist()) or every[i], RTOL)
+    assert len(asked) == int(keep.sum())
+    assert keep.tolist() == mutually_consistent(peeled, new, RTOL).tolist()

@@ -379,7 +379,8 @@ class _SwapSweep:
         sign, magnitude = torch.sign(c_new), c_new.abs()
         coef = torch.stack([sign, -sign * step, magnitude], dim=2).transpose(0, 1)  # (b, S, 3)
         u = torch.bmm(coef, self.basis)  # (b, S, rows): |c'_j| z_j
-        low, high = torch.aminmax(u, dim=2, keepdim=True)
+        # two reductions: torch.aminmax is about 8x slower than amax and amin apart on CPU
+        high, low = u.amax(dim=2, keepdim=True), u.amin(dim=2, keepdim=True)
         band = self.z_rtol * torch.maximum(high, -low)
         if self.flip is not None:
             wrong = u.mul_(self.flip) > band

@@ -45,7 +45,7 @@ from spear.core.filtering import (
 from spear.core.greedy import RANK_RTOL, Selection, greedy_filter, score
 from spear.core.input_peeling import InputSidePeeler
 from spear.core.lowrank import LOW_PRECISION_EPS, LowRankSplit, equilibrated_split, low_rank_split
-from spear.core.peeling import PeeledSamples, SamplePeeler, mutually_consistent
+from spear.core.peeling import PeeledSamples, SamplePeeler, certified_in_order, mutually_consistent
 from spear.core.polish import MAX_TURN, Polished, polish_directions
 from spear.core.proposers import (
     PROPOSERS,
@@ -552,13 +552,17 @@ class _Attack:
         consistent = outcome.consistent.nonzero()[:, 0]
         position = chosen[consistent]
         self._adopt_directions(snapped, position, samples.directions)
-        accept = outcome.robust[consistent] & self.resolvable
-        if self.peeler.needs_model and not self.gate.active:
-            accept = torch.zeros_like(accept)
-        elif len(samples):
-            accept = self._certify_samples(samples, accept)
-        samples, position = samples.select(accept), position[accept]
-        keep = mutually_consistent(self.peeled, samples, self.setup.tol.verify_rtol)
+        layer_ok = outcome.robust[consistent] & self.resolvable
+        keep = torch.zeros_like(layer_ok)
+        if len(samples) and not (self.peeler.needs_model and not self.gate.active):
+            keep = certified_in_order(
+                self.peeled,
+                samples,
+                torch.ones_like(layer_ok),
+                lambda index: self._certify_some(samples, layer_ok, index),
+                self.setup.tol.verify_rtol,
+                self.gate.group,
+            )
         certified = torch.zeros(snapped.directions.shape[0], dtype=torch.bool, device=position.device)
         certified[position[keep]] = True
         snapped.certified = certified
@@ -583,10 +587,17 @@ class _Attack:
         if snapped.certain_zero is not None:
             snapped.certain_zero[rows] = certain
 
-    def _certify_samples(self, samples: PeeledSamples, layer_ok: torch.Tensor) -> torch.Tensor:
-        """Which peeled samples count, given which the layers certify (``layer_ok``); fills in
-        the model certificate's labels, weights and strength where a model is known."""
-        return self._certify_and_fit(samples, layer_ok)[0]
+    def _certify_some(
+        self, samples: PeeledSamples, layer_ok: torch.Tensor, index: torch.Tensor
+    ) -> torch.Tensor:
+        """Which of the peeled samples ``index`` count, given which the layers certify
+        (``layer_ok``); fills in their model certificate's labels, weights and strength where a
+        model is known (:meth:`_certify_and_fit`)."""
+        some = samples.select(index)
+        counts = self._certify_and_fit(some, layer_ok[index])[0]
+        samples.labels[index], samples.weights[index] = some.labels, some.weights
+        samples.strong[index] = some.strong
+        return counts
 
     def _certify_and_fit(
         self, samples: PeeledSamples, layer_ok: torch.Tensor

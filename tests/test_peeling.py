@@ -12,6 +12,7 @@ from spear.core.lowrank import low_rank_split
 from spear.core.peeling import (
     PeeledSamples,
     SamplePeeler,
+    _clashes,
     certified_in_order,
     mutually_consistent,
     residual_problem,
@@ -736,11 +737,22 @@ def _duplicates_and_mixtures(seed, b=12, n=40):
     return _samples(U[:3], U[:3]), _samples(duals, coefficients), g
 
 
-@pytest.mark.parametrize("seed", range(6))
-@pytest.mark.parametrize("group", [None, 1, 4])
-def test_certified_in_order_keeps_what_the_eager_rule_keeps(seed, group):
+def _representatives(peeled, new, candidate):
+    """The first copy of each distinct sample among the candidates (no peeled one)."""
+    f = len(peeled)
+    clash = _clashes(peeled, new, RTOL)
+    firsts = []
+    for i in candidate.nonzero()[:, 0].tolist():
+        if not bool(clash[f + i, :f].any()) and not any(bool(clash[f + i, f + j]) for j in firsts):
+            firsts.append(i)
+    return firsts
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_certified_in_order_keeps_what_the_eager_rule_keeps(seed):
     # the same samples as certifying every one and then mutually_consistent, with a
-    # certificate asked only where it can matter (once per duplicate that is kept)
+    # certificate asked only where it can matter: never twice, never for a sample that clashes
+    # with one kept, and the first ask holds one copy of every distinct sample
     peeled, new, g = _duplicates_and_mixtures(seed)
     n = len(new)
     candidate = torch.rand(n, generator=g) < 0.9
@@ -748,23 +760,35 @@ def test_certified_in_order_keeps_what_the_eager_rule_keeps(seed, group):
     passed = (candidate & ok).nonzero()[:, 0]
     eager = torch.zeros(n, dtype=torch.bool)
     eager[passed[mutually_consistent(peeled, new.select(passed), RTOL)]] = True
-    asked = []
+    asks = []
 
     def certify(index):
-        assert index.numel() and (group is None or index.numel() <= group)
-        assert not set(index.tolist()) & set(asked), "a certificate asked twice"
-        asked.extend(index.tolist())
+        assert index.numel() and not set(index.tolist()) & {i for a in asks for i in a}, "asked twice"
+        asks.append(index.tolist())
         return ok[index]
 
-    lazy = certified_in_order(peeled, new, candidate, certify, RTOL, group)
+    lazy = certified_in_order(peeled, new, candidate, certify, RTOL)
     assert lazy.tolist() == eager.tolist()
-    assert eager.any() and len(asked) < int(candidate.sum())  # duplicates were not certified
+    # an ask starts at the first undecided sample: every sample kept before it was kept then
+    clash = _clashes(peeled, new, RTOL)[len(peeled) :, len(peeled) :]
+    for ask in asks:
+        before = [j for j in lazy.nonzero()[:, 0].tolist() if j < ask[0]]
+        assert not any(bool(clash[i, j]) for i in ask for j in before), "asked a sample already out"
+    assert asks[0] == _representatives(peeled, new, candidate)
+    assert eager.any() and sum(map(len, asks)) < int(candidate.sum())  # copies were not certified
 
 
-def test_certified_in_order_asks_once_per_sample_when_every_certificate_passes():
+def test_certified_in_order_asks_every_distinct_sample_together():
+    # a certificate that depends on the samples asked together (the weight quorum): with every
+    # certificate passing, one ask holds one copy of each distinct sample, and nothing more
     peeled, new, _ = _duplicates_and_mixtures(0)
     every = torch.ones(len(new), dtype=torch.bool)
-    asked = []
-    keep = certified_in_order(peeled, new, every, lambda i: asked.extend(i.tolist()) or every[i], RTOL)
-    assert len(asked) == int(keep.sum())
+    asks = []
+
+    def quorum(index):
+        asks.append(index.tolist())
+        return torch.full((index.numel(),), index.numel() >= 3)
+
+    keep = certified_in_order(peeled, new, every, quorum, RTOL)
+    assert len(asks) == 1 and asks[0] == _representatives(peeled, new, every)
     assert keep.tolist() == mutually_consistent(peeled, new, RTOL).tolist()

@@ -542,18 +542,20 @@ def certified_in_order(
     candidate: torch.Tensor,
     certify: Callable[[torch.Tensor], torch.Tensor],
     rtol: float,
-    group: int | None = None,
 ) -> torch.Tensor:
-    """``candidate & certified`` among ``new``, then :func:`mutually_consistent` of those: the
-    same samples, with a certificate asked for (``certify(indices) -> ok``, at most ``group``
-    at a time, all when None) only where its answer can matter.
+    """``candidate & certified`` among ``new``, then :func:`mutually_consistent` of those, with
+    a certificate asked for (``certify(indices) -> ok``) only where its answer can matter.
 
     A float32 step snaps many directions of one sample (256 samples peeled from 22 distinct
     ones: a wide first layer, m = 4000, b = 64, where each model certificate through the tail
     costs 0.07 s). A sample that clashes with one already kept is out whatever its
-    certificate says, and one that clashes with an earlier undecided one waits for it. The
-    decisions are taken in order, so every sample is judged against the same earlier ones as
-    in the eager rule; a certificate depends only on its own sample."""
+    certificate says, and one that clashes with an earlier undecided one waits for it: the
+    first ask holds every sample that clashes with no earlier one (one per distinct sample),
+    and a later ask only the copies of samples whose certificate failed. Decisions are taken
+    in order, so where each certificate depends only on its own sample, the samples kept are
+    the eager rule's. The model certificate's weight quorum (``_Attack._single``) depends on
+    the samples asked together; it now counts each sample about once, where certifying every
+    copy let one sample's copies outvote the others."""
     f, device = len(peeled), candidate.device
     clash = _clashes(peeled, new, rtol).to(device)
     pending = candidate & ~clash[f:, :f].any(dim=1)  # a clash with a peeled sample: out
@@ -566,7 +568,9 @@ def certified_in_order(
         at = _decide_in_order(order, at, pending, known, ok, keep, clash)
         if at == len(order):
             return keep
-        ask = _worth_asking(order[at:], pending, known, ok, clash, group)
+        ask = _worth_asking(
+            torch.tensor(order[at:], dtype=torch.long, device=device), pending, known, ok, keep, clash
+        )
         ok[ask] = certify(ask).to(device=device, dtype=torch.bool)
         known[ask] = True
 
@@ -595,22 +599,21 @@ def _decide_in_order(
 
 
 def _worth_asking(
-    rest: list[int],
+    rest: torch.Tensor,
     pending: torch.Tensor,
     known: torch.Tensor,
     ok: torch.Tensor,
+    keep: torch.Tensor,
     clash: torch.Tensor,
-    group: int | None,
 ) -> torch.Tensor:
-    """The undecided samples of ``rest`` (in order) that clash with no earlier one that may
-    still be kept, at most ``group``; the first one always qualifies."""
-    index = torch.tensor(rest, dtype=torch.long, device=pending.device)
-    open_ = pending[index]
-    may_keep = open_ & (~known[index] | ok[index])
-    earlier = torch.tril(clash[index][:, index], diagonal=-1)  # earlier clashing samples
-    blocked = (earlier & may_keep[None, :]).any(dim=1)
-    ask = index[open_ & ~known[index] & ~blocked]
-    return ask if group is None else ask[:group]
+    """The undecided samples among ``rest`` (indices, in order) that clash with no sample kept
+    and with no earlier one that may still be kept; the first undecided one always qualifies
+    (every sample before it is decided)."""
+    undecided = pending[rest] & ~known[rest]
+    may_keep = pending[rest] & (~known[rest] | ok[rest])
+    earlier = torch.tril(clash[rest][:, rest], diagonal=-1)
+    blocked = (earlier & may_keep[None, :]).any(dim=1) | (clash[rest] & keep[None, :]).any(dim=1)
+    return rest[undecided & ~blocked]
 
 
 def residual_problem(problem: LayerProblem, peeled: PeeledSamples) -> tuple[LayerProblem, torch.Tensor]:

@@ -561,7 +561,6 @@ class _Attack:
                 torch.ones_like(layer_ok),
                 lambda index: self._certify_some(samples, layer_ok, index),
                 self.setup.tol.verify_rtol,
-                self.gate.group,
             )
         certified = torch.zeros(snapped.directions.shape[0], dtype=torch.bool, device=position.device)
         certified[position[keep]] = True
@@ -592,7 +591,11 @@ class _Attack:
     ) -> torch.Tensor:
         """Which of the peeled samples ``index`` count, given which the layers certify
         (``layer_ok``); fills in their model certificate's labels, weights and strength where a
-        model is known (:meth:`_certify_and_fit`)."""
+        model is known (:meth:`_certify_and_fit`). Past the deadline none is certified: the
+        certificate checks its deadline only between groups, and a later ask of
+        :func:`~spear.core.peeling.certified_in_order` would be one group."""
+        if self.setup.deadline.passed():
+            return torch.zeros_like(index, dtype=torch.bool)
         some = samples.select(index)
         counts = self._certify_and_fit(some, layer_ok[index])[0]
         samples.labels[index], samples.weights[index] = some.labels, some.weights
@@ -602,8 +605,9 @@ class _Attack:
     def _certify_and_fit(
         self, samples: PeeledSamples, layer_ok: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """:meth:`_certify_samples`, and which samples the model fits as one sample's, however
-        weakly (a sign-only fit, unsaturated, with one sample's loss weight)."""
+        """Which peeled samples count, given which the layers certify (``layer_ok``), filling in
+        the model certificate's labels, weights and strength; and which the model fits as one
+        sample's, however weakly (a sign-only fit, unsaturated, with one sample's loss weight)."""
         grads = self.setup.expand(self.setup.problem.L @ samples.duals.T).T
         rtol = self._sample_rtol(samples.duals)
         inputs = self.setup.expand_inputs(samples.inputs)

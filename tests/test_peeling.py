@@ -722,7 +722,7 @@ def _samples(duals, coefficients):
     return PeeledSamples(duals.clone(), coefficients, torch.zeros(n, 3, dtype=duals.dtype), duals)
 
 
-def _duplicates_and_mixtures(seed, b=12, n=40):
+def _duplicates_and_mixtures(seed, b=12, n=40, mixtures=True):
     """Peeled samples (the first three true ones) and n new ones: copies of true samples (a
     float32 step snaps many directions of one), rounded copies, and mixtures, in random order."""
     g = torch.Generator().manual_seed(seed)
@@ -730,22 +730,23 @@ def _duplicates_and_mixtures(seed, b=12, n=40):
     pick = torch.randint(3, b, (n,), generator=g)
     duals, coefficients = U[pick].clone(), U[pick].clone()
     duals += 1e-12 * torch.randn(n, b, generator=g, dtype=torch.float64)  # copies up to rounding
-    mixed = torch.rand(n, generator=g) < 0.25
-    duals[mixed] = torch.randn(int(mixed.sum()), b, generator=g, dtype=torch.float64)
+    mixed = (torch.rand(n, generator=g) < 0.25) & mixtures
+    # mixtures of the unpeeled samples: no clash with the peeled ones, a clash with their parts
+    weights = torch.randn(int(mixed.sum()), b - 3, generator=g, dtype=torch.float64)
+    weights *= torch.rand(weights.shape, generator=g) < 0.3
+    duals[mixed] = weights @ U[3:]
     if bool(mixed.any()):
         duals[mixed.nonzero()[0, 0]] = torch.nan  # a failed solve clashes with everything
     return _samples(U[:3], U[:3]), _samples(duals, coefficients), g
 
 
-def _representatives(peeled, new, candidate):
-    """The first copy of each distinct sample among the candidates (no peeled one)."""
+def _unblocked(peeled, new, candidate):
+    """The candidates that clash with no peeled sample and no earlier such candidate: with
+    copies only, the first copy of each distinct sample."""
     f = len(peeled)
     clash = _clashes(peeled, new, RTOL)
-    firsts = []
-    for i in candidate.nonzero()[:, 0].tolist():
-        if not bool(clash[f + i, :f].any()) and not any(bool(clash[f + i, f + j]) for j in firsts):
-            firsts.append(i)
-    return firsts
+    open_ = [i for i in candidate.nonzero()[:, 0].tolist() if not bool(clash[f + i, :f].any())]
+    return [i for i in open_ if not any(bool(clash[f + i, f + j]) for j in open_ if j < i)]
 
 
 @pytest.mark.parametrize("seed", range(8))
@@ -774,14 +775,14 @@ def test_certified_in_order_keeps_what_the_eager_rule_keeps(seed):
     for ask in asks:
         before = [j for j in lazy.nonzero()[:, 0].tolist() if j < ask[0]]
         assert not any(bool(clash[i, j]) for i in ask for j in before), "asked a sample already out"
-    assert asks[0] == _representatives(peeled, new, candidate)
+    assert asks[0] == _unblocked(peeled, new, candidate)
     assert eager.any() and sum(map(len, asks)) < int(candidate.sum())  # copies were not certified
 
 
 def test_certified_in_order_asks_every_distinct_sample_together():
     # a certificate that depends on the samples asked together (the weight quorum): with every
     # certificate passing, one ask holds one copy of each distinct sample, and nothing more
-    peeled, new, _ = _duplicates_and_mixtures(0)
+    peeled, new, _ = _duplicates_and_mixtures(0, mixtures=False)
     every = torch.ones(len(new), dtype=torch.bool)
     asks = []
 
@@ -790,5 +791,5 @@ def test_certified_in_order_asks_every_distinct_sample_together():
         return torch.full((index.numel(),), index.numel() >= 3)
 
     keep = certified_in_order(peeled, new, every, quorum, RTOL)
-    assert len(asks) == 1 and asks[0] == _representatives(peeled, new, every)
+    assert len(asks) == 1 and asks[0] == _unblocked(peeled, new, every)
     assert keep.tolist() == mutually_consistent(peeled, new, RTOL).tolist()

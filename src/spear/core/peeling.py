@@ -554,8 +554,9 @@ def certified_in_order(
     and a later ask only the copies of samples whose certificate failed. Decisions are taken
     in order, so where each certificate depends only on its own sample, the samples kept are
     the eager rule's. The model certificate's weight quorum (``_Attack._single``) depends on
-    the samples asked together; it now counts each sample about once, where certifying every
-    copy let one sample's copies outvote the others."""
+    the samples asked together: the first ask gives it one copy of each distinct sample, where
+    certifying every copy let one sample's copies outvote the others (a copy asked later,
+    after its sample failed, still votes again)."""
     f, device = len(peeled), candidate.device
     clash = _clashes(peeled, new, rtol).to(device)
     pending = candidate & ~clash[f:, :f].any(dim=1)  # a clash with a peeled sample: out
@@ -613,6 +614,7 @@ def _worth_asking(
     may_keep = pending[rest] & (~known[rest] | ok[rest])
     earlier = torch.tril(clash[rest][:, rest], diagonal=-1)
     blocked = (earlier & may_keep[None, :]).any(dim=1) | (clash[rest] & keep[None, :]).any(dim=1)
+    blocked[0] = False  # the first undecided sample: asking it always moves the loop on
     return rest[undecided & ~blocked]
 
 

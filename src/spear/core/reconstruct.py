@@ -591,10 +591,11 @@ class _Attack:
     ) -> torch.Tensor:
         """Which of the peeled samples ``index`` count, given which the layers certify
         (``layer_ok``); fills in their model certificate's labels, weights and strength where a
-        model is known (:meth:`_certify_and_fit`). Past the deadline none is certified: the
-        certificate checks its deadline only between groups, and a later ask of
-        :func:`~spear.core.peeling.certified_in_order` would be one group."""
-        if self.setup.deadline.passed():
+        model is known (:meth:`_certify_and_fit`). Past the deadline the model certifies none:
+        it checks its deadline only between groups, and a later ask of
+        :func:`~spear.core.peeling.certified_in_order` would be one group. Without a model the
+        layers' word (free) still counts."""
+        if self.gate.active and self.setup.deadline.passed():
             return torch.zeros_like(index, dtype=torch.bool)
         some = samples.select(index)
         counts = self._certify_and_fit(some, layer_ok[index])[0]

@@ -167,6 +167,34 @@ def test_pool_deduplication_across_blocks_matches_the_one_by_one_rule():
         assert 0 < len(ref_kept) < n and sum(m >= 30 for m in ref_match) > 0  # both kinds of copy
 
 
+@pytest.mark.parametrize("screened", [True, False])
+@pytest.mark.parametrize("threshold", [1.0 - 1e-9, 1.0 - 1e-4])
+def test_pool_deduplication_of_near_copies_matches_the_one_by_one_rule(monkeypatch, threshold, screened):
+    """Copies nudged by several sizes around the threshold (a noisy gradient's 1 - 1e-4 too),
+    either sign, across blocks: the projection screen (or, past its pair limit, every pair)
+    finds exactly the reference's matches. A screen radius too small misses the nudged copies."""
+    import spear.core.filtering as filtering
+
+    if not screened:
+        monkeypatch.setattr(filtering, "NEAR_PAIR_LIMIT", 0)
+    g = torch.Generator().manual_seed(11)
+    dim, n = 8, 2 * filtering.DEDUP_BLOCK + 91
+    base = torch.nn.functional.normalize(torch.randn(150, dim, dtype=torch.float64, generator=g), dim=1)
+    picks = base[torch.randint(0, 150, (n,), generator=g)]
+    signs = torch.where(torch.rand(n, 1, generator=g) < 0.5, -1.0, 1.0).to(torch.float64)
+    sizes = torch.tensor([0.0, 1e-7, 1e-3, 3e-3, 1e-2], dtype=torch.float64)
+    size = sizes[torch.randint(0, len(sizes), (n, 1), generator=g)]
+    nudge = size * torch.randn(n, dim, dtype=torch.float64, generator=g)
+    directions = torch.nn.functional.normalize(picks * signs + nudge, dim=1)
+    pool = CandidatePool(batch_size=dim, rows=4, duplicate_cos=threshold)
+    pool.directions = base[:40]
+    kept, match = pool._first_new(directions)
+    ref_kept, ref_match = _first_new_reference(base[:40], directions, threshold)
+    assert kept.tolist() == ref_kept and match.tolist() == ref_match
+    assert sum(m >= 40 for m in ref_match) > 20 and sum(0 <= m < 40 for m in ref_match) > 20
+    assert len(ref_kept) > 150  # the larger nudges make new directions
+
+
 def test_pool_deduplicates_up_to_sign():
     pool = CandidatePool(batch_size=3, rows=5)
     d = torch.tensor([[1.0, 0.0, 0.0], [0.0, 1.0, 0.0]], dtype=torch.float64)

@@ -221,6 +221,13 @@ def test_batch_not_smaller_than_layer():
     thin_input = make_client(12, n=8, width=100, seed=22)
     with pytest.raises(RankError):
         spear.reconstruct(*thin_input.layer_args())
+    # a full-rank gradient may also be a noisy one (DP-SGD): the message names both causes
+    W, b, GW, Gb = make_client(8, n=784, width=100, seed=23).layer_args()
+    noisy = GW + GW.abs().max() * torch.randn(
+        GW.shape, dtype=GW.dtype, generator=torch.Generator().manual_seed(0)
+    )
+    with pytest.raises(RankError, match="noise added to the gradient"):
+        spear.reconstruct(W, b, noisy, Gb)
 
 
 def test_gradient_without_relu_sparsity():

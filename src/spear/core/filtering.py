@@ -519,8 +519,11 @@ class _ParallelIndex:
         axes = torch.linalg.qr(axes)[0].to(new)
         self.keys = self.vectors @ axes
         largest = float(self.vectors.pow(2).sum(dim=1).amax()) if self.vectors.shape[0] else 0.0
-        slack = 8 * dim * torch.finfo(new.dtype).eps * max(1.0, largest)
-        self.radius = math.sqrt(max(2.0 * largest - 2.0 * threshold, 0.0)) * (1 + 1e-6) + slack
+        # rounding: of the computed |cos| a pair is judged by and of ``largest`` (inside the
+        # root: a float32 pair at cos 1 - 2e-8 reads 1.0), and of the keys themselves
+        rounding = 4 * dim * torch.finfo(new.dtype).eps * max(1.0, largest)
+        spread = max(2.0 * largest - 2.0 * threshold, 0.0) + 4 * rounding
+        self.radius = math.sqrt(spread) * (1 + 1e-6) + rounding
         self.rows = torch.arange(self.before, device=new.device)  # slot -> row of ``vectors``
         self.order = torch.argsort(self.keys[: self.before, 0])  # slots by first projection
 

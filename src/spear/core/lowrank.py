@@ -208,7 +208,7 @@ def low_rank_split(
         raise RankError(
             f"dL/dW ({m} x {n}) has numerical rank {b} = min(m, n): either the batch is at least as "
             "large as the layer, or noise added to the gradient (DP-SGD, compression) fills its "
-            "spectrum so that no batch stands out; either way it cannot be recovered. SPEAR needs "
+            "spectrum so that no batch stands out of it. SPEAR needs "
             f"batch size < {min(m, n)} "
             f"(the layer's {'output' if m <= n else 'input'} width). Attack a wider layer, or pass "
             f"batch_size= if you know the batch is smaller and the gradient is noisy.{hint}"

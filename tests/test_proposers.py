@@ -219,6 +219,21 @@ def test_neuron_deflation_isolates_the_missing_sample():
     assert float((snapped.directions @ Qt[:, missing]).abs().max()) > 1 - 1e-9
 
 
+def test_neuron_deflation_takes_found_directions_that_repeat():
+    # two copies of one found direction (float32 copies can both be trusted) made the
+    # deflation's Gram matrix singular, and torch raised from inside the proposer (Fashion-MNIST
+    # CNN head, float32, trained): the deflation is onto their span all the same
+    b = 12
+    client, _, Qt, ctx = setup(b, 200, 10)
+    missing = 5
+    found = Qt[:, [i for i in range(b) if i != missing]].T
+    ctx.found = torch.cat([found, found[:1], -found[3:4]]).contiguous()
+    virtual = NeuronGuidedSampler().virtual_preactivations(ctx, torch.arange(60), 1.0)
+    assert virtual.shape[0] > 50
+    Z_missing = client.inputs[missing] @ ctx.problem.weight.T + ctx.problem.bias
+    torch.testing.assert_close(virtual, Z_missing.expand_as(virtual), rtol=1e-6, atol=1e-6)
+
+
 def test_neuron_guided_with_a_wrong_found_direction_yields_only_true_directions():
     b = 16
     _, split, Qt, ctx = setup(b, 200, 11)

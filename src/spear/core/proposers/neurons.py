@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import torch
 
+from spear.core.linalg import solve_ex
 from spear.core.proposers.base import (
     DirectionProposer,
     ProposalBatch,
@@ -128,7 +129,12 @@ class NeuronGuidedSampler(DirectionProposer):
             # nearly orthogonal there
             F = ctx.found.to(L.dtype).T  # b x k
             GF = self._gram @ F
-            u = u - (u @ F) @ torch.linalg.solve(F.T @ GF, GF.T)
+            gram, rhs = F.T @ GF, GF.T
+            coefficients, info = solve_ex(gram, rhs)
+            if int(info):  # found directions that are linearly dependent (two copies of one
+                # float32 column): the projection onto their span, through the pseudo-inverse
+                coefficients = torch.linalg.pinv(gram, hermitian=True) @ rhs
+            u = u - (u @ F) @ coefficients
         weight_sum = u @ s
         usable = weight_sum.abs() > DEGENERATE_SCALE_RTOL * u.norm(dim=1) * s.norm()
         # a neuron whose samples were all recovered leaves only rounding noise

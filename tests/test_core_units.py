@@ -150,16 +150,24 @@ def _first_new_reference(pool_directions, directions, threshold):
     return kept, match
 
 
+def _nudged_copies(seed, distinct, dim, n, sizes):
+    """``distinct`` random unit directions, and n copies of them (either sign), each nudged by
+    one of ``sizes`` (per coordinate, drawn uniformly) and normalized."""
+    g = torch.Generator().manual_seed(seed)
+    base = torch.nn.functional.normalize(torch.randn(distinct, dim, dtype=torch.float64, generator=g), dim=1)
+    picks = base[torch.randint(0, distinct, (n,), generator=g)]
+    signs = torch.where(torch.rand(n, 1, generator=g) < 0.5, -1.0, 1.0).to(torch.float64)
+    sizes = torch.tensor(sizes, dtype=torch.float64)
+    size = sizes[torch.randint(0, len(sizes), (n, 1), generator=g)]
+    nudge = size * torch.randn(n, dim, dtype=torch.float64, generator=g)
+    return base, torch.nn.functional.normalize(picks * signs + nudge, dim=1)
+
+
 def test_pool_deduplication_across_blocks_matches_the_one_by_one_rule():
     from spear.core.filtering import DEDUP_BLOCK
 
-    g = torch.Generator().manual_seed(3)
-    base = torch.nn.functional.normalize(torch.randn(120, 6, dtype=torch.float64, generator=g), dim=1)
     n = 2 * DEDUP_BLOCK + 37  # copies fall in other blocks than their first
-    picks = base[torch.randint(0, 120, (n,), generator=g)]
-    signs = torch.where(torch.rand(n, 1, generator=g) < 0.5, -1.0, 1.0).to(torch.float64)
-    nudge = 1e-7 * torch.randn(n, 6, dtype=torch.float64, generator=g) * (torch.rand(n, 1, generator=g) < 0.2)
-    directions = torch.nn.functional.normalize(picks * signs + nudge, dim=1)
+    base, directions = _nudged_copies(3, 120, 6, n, [0.0, 0.0, 0.0, 0.0, 1e-7])
     for threshold in (1.0 - 1e-9, 1.0 - 1e-12):
         pool = CandidatePool(batch_size=6, rows=4, duplicate_cos=threshold)
         pool.directions = base[:30]
@@ -179,16 +187,10 @@ def test_pool_deduplication_of_near_copies_matches_the_one_by_one_rule(monkeypat
 
     if not screened:
         monkeypatch.setattr(filtering, "NEAR_PAIR_LIMIT", 0)
-    g = torch.Generator().manual_seed(11)
     dim, n = 8, 2 * filtering.DEDUP_BLOCK + 91
-    base = torch.nn.functional.normalize(torch.randn(150, dim, dtype=torch.float64, generator=g), dim=1)
-    picks = base[torch.randint(0, 150, (n,), generator=g)]
-    signs = torch.where(torch.rand(n, 1, generator=g) < 0.5, -1.0, 1.0).to(torch.float64)
     # around each threshold's |u - v| (4.5e-5 and 1.4e-2, over sqrt(dim) per coordinate)
-    sizes = torch.tensor([0.0, 1e-7, 1e-5, 2e-5, 1e-3, 3e-3, 4e-3, 6e-3, 1e-2], dtype=torch.float64)
-    size = sizes[torch.randint(0, len(sizes), (n, 1), generator=g)]
-    nudge = size * torch.randn(n, dim, dtype=torch.float64, generator=g)
-    directions = torch.nn.functional.normalize(picks * signs + nudge, dim=1)
+    sizes = [0.0, 1e-7, 1e-5, 2e-5, 1e-3, 3e-3, 4e-3, 6e-3, 1e-2]
+    base, directions = _nudged_copies(11, 150, dim, n, sizes)
     pool = CandidatePool(batch_size=dim, rows=4, duplicate_cos=threshold)
     pool.directions = base[:40]
     kept, match = pool._first_new(directions)

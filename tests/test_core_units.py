@@ -636,3 +636,12 @@ def test_a_robust_candidate_that_peeling_refuted_is_not_trusted():
     # a certified sample is trusted whatever else was said of it
     pool.certified[1] = True
     assert pool.trusted_mask.tolist() == [True, True, False]
+
+
+def test_unrecovered_message_says_why_enough_candidates_gave_no_basis():
+    """40 candidates and b = 9 is not "fewer than needed": they span fewer than 9 (copies)."""
+    from spear.core.reconstruct import _short_of_a_basis
+
+    assert "fewer than the b=9" in _short_of_a_basis(3, 9)
+    reason = _short_of_a_basis(40, 9)
+    assert "fewer than" not in reason and "no b=9 of them are independent" in reason

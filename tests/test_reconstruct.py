@@ -236,6 +236,25 @@ def test_gradient_without_relu_sparsity():
         spear.reconstruct(*dense.layer_args())
 
 
+@pytest.mark.parametrize("depth,layer,steps", [(6, "8", 0), (2, "0", 300)])
+def test_small_batch_whose_columns_are_sparse_only_on_few_live_rows_is_not_called_dense(depth, layer, steps):
+    """b = 5 on raw digits: a deep layer (300 of 700 neurons dead, the rest active for nearly the
+    whole batch: ~26 zeros per column among 369 live rows) and a trained two-layer MLP (~100 of
+    407). The sampler's patience for b = 5 ran out in two calls, before the probe that lowers
+    the threshold ran, and both raised NoSparsityError ("dense") on every seed tried."""
+    from spear.data import load_dataset
+    from spear.fl import fully_connected, layer_inputs, pretrain, simulate_fedsgd
+
+    digits = load_dataset("digits")
+    model = fully_connected(digits.features, 700 if depth == 6 else 500, depth, digits.classes, seed=3)
+    if steps:
+        pretrain(model, digits, steps, seed=3)
+    view, truth = simulate_fedsgd(model, digits, 5, seed=3, normalize=False)
+    rec = spear.attack_layer(view.model, layer, view.gradients, seed=3, max_proposals=100_000)
+    assert rec.verified, rec.message
+    assert_exact(rec.inputs, layer_inputs(view.model, layer, truth.inputs).to(rec.inputs), 1e-6)
+
+
 def test_bad_options(small):
     args = small.layer_args()
     with pytest.raises(InputError, match="unknown option"):

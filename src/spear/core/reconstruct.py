@@ -1000,31 +1000,44 @@ class _Attack:
 
     def _check_sparsity(self) -> None:
         """Diagnose a gradient without ReLU sparsity instead of searching until the budget ends,
-        and columns too dense for the filter's threshold (trained networks)."""
+        and columns too dense for the filter's threshold (trained networks). The probe (ICA+IRLS
+        and neuron-guided sampling) runs before any verdict of "dense": at b = 5 the sampler's
+        patience can run out in two calls where each column has ~26 zeros among 369 live rows
+        (a deep layer on raw inputs: most neurons dead or active for the whole batch)."""
         if len(self.pool):
             self._check_stall()
             return
         s, b = self.setup, self.setup.b
         rows = s.problem.sparse_factor.shape[0]
-        if not self.probed and self.calls >= PROBE_AFTER_CALLS:
+        # Lemma 5.1's q at a conservative 30% zeros per column (trained networks fall below the
+        # paper's 50%, Fig. 7): only a gradient with hardly any zeros exhausts this patience
+        patience = NO_SPARSITY_PATIENCE / (b * NO_SPARSITY_ZERO_RATE ** (b - 1))
+        exhausted = self.drawn >= patience and rows > 2 * b
+        if not self.probed and (self.calls >= PROBE_AFTER_CALLS or exhausted):
             self.probed = True
             probe = probe_sparse_directions(self.search.root, s.tol.zero_rtol, s.tol.zero_floor, None)
             counts = probe.snapped.zero_counts
             if probe.probed and not bool((counts >= s.threshold).any()) and not probe.looks_dense(b, rows):
                 self._adapt_threshold(adapted_threshold(probe.sparsest, b), probe.sparsest, rows)
             self._absorb(probe.snapped.select(counts >= s.threshold))
-            if len(self.pool) == 0 and probe.looks_dense(b, rows) and rows >= DIAGNOSABLE_RATIO * b:
+            if self._looks_dense(probe.looks_dense(b, rows)) and rows >= DIAGNOSABLE_RATIO * b:
                 raise NoSparsityError(
                     no_sparsity_message(b, rows, s.options.sparsity, self.calls, s.split.numerical_rank)
                 )
             return
-        # Lemma 5.1's q at a conservative 30% zeros per column (trained networks fall below the
-        # paper's 50%, Fig. 7): only a gradient with hardly any zeros exhausts this patience
-        patience = NO_SPARSITY_PATIENCE / (b * NO_SPARSITY_ZERO_RATE ** (b - 1))
-        if self.drawn >= patience and rows > 2 * b and len(self.pool) == 0:
+        if exhausted and self._looks_dense(True):
             raise NoSparsityError(
                 no_sparsity_message(b, rows, s.options.sparsity, self.calls, s.split.numerical_rank)
             )
+
+    def _looks_dense(self, evidence: bool) -> bool:
+        """Whether the search so far, with ``evidence`` (a probe's, or the patience spent),
+        says dL/dZ has no ReLU sparsity: nothing pooled, and no snapped direction sparse as a
+        ReLU's column dropped for the filter's threshold alone. Such a direction is exact, so the
+        columns are sparse, only less than the threshold asks (a trained layer with dead neurons:
+        ~100 zeros of 407 live rows at b = 5, against a threshold of 163): the probe then lowers
+        the threshold instead."""
+        return evidence and len(self.pool) == 0 and self.sparse_drop < 0
 
     def _check_stall(self) -> None:
         """When no new direction came for ``STALL_CALLS`` calls with fewer than b in hand (for
@@ -1211,8 +1224,8 @@ def finish(
             directions=None,
             scales=None,
             message=(
-                f"not recovered: {stats.candidates} exact candidate direction(s) found, fewer than the "
-                f"b={b} independent ones needed ({reason} after {drawn:,} proposals)"
+                f"not recovered: {stats.candidates} exact candidate direction(s) found, "
+                f"{_short_of_a_basis(stats.candidates, b)} ({reason} after {drawn:,} proposals)"
                 f"{peeled_note}; {more_budget}"
             ),
             **common,
@@ -1334,6 +1347,14 @@ def _single_sample(setup: AttackSetup, gate: ModelGate) -> Reconstruction:
         certified = torch.zeros(1, dtype=torch.bool, device=factor.device)
         verdict = judge(selection, factor, certified, assembled, check, setup.tol, gate, setup.resolvable)
     return finish(setup, selection, verdict, gate, _no_peeled(setup), None, "trivial")
+
+
+def _short_of_a_basis(found: int, b: int) -> str:
+    """Why ``found`` candidates gave no selection: too few, or (copies, mixtures of few samples)
+    no ``b`` of them independent and well scaled (:func:`spear.core.greedy.greedy_filter`)."""
+    if found < b:
+        return f"fewer than the b={b} independent ones needed"
+    return f"but no b={b} of them are independent and well scaled (copies of fewer samples)"
 
 
 def _no_peeled(setup: AttackSetup) -> PeeledSamples:

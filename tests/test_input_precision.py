@@ -59,3 +59,26 @@ def test_no_precision_without_a_batch():
     rec = spear.attack_layer(view.model, "0", view.gradients, seed=0, max_proposals=1, proposer="sampling")
     assert rec.inputs is None and rec.input_precision is None
     assert rec.summary()["input_precision"] is None
+
+
+def test_certified_samples_of_an_unverified_batch_carry_their_precision():
+    """A consistent batch the model does not verify whole still certifies samples one by one,
+    a faint one (loss 1e-9: an untrained shallow MLP on normalized MNIST, logits ~50) at its own
+    precision. Its input is 8.8e-5 off, where the others are within 1e-13: the result must say
+    so per sample (the randomized sweep of 2026-12-05 counted it as a wrong certificate)."""
+    from spear.fl import shallow_mlp
+
+    mnist = load_dataset("mnist")
+    model = shallow_mlp(mnist.features, 500, mnist.classes, seed=127)
+    view, truth = simulate_fedsgd(model, mnist, 23, seed=127)
+    rec = spear.attack_layer(view.model, "0", view.gradients, seed=127, max_proposals=20_000)
+    assert not rec.verified and rec.certified_inputs is not None, rec.message
+    precision = rec.certified_precision
+    assert precision is not None and precision.shape == (rec.certified_inputs.shape[0],)
+    assert bool(torch.isfinite(precision).all())
+    errors = relative_errors(rec.certified_inputs, truth.inputs.reshape(23, -1))
+    assert bool((errors <= 3.0 * precision).all()), (errors / precision).max()
+    faint = errors > 1e-6
+    assert bool(faint.any()) and bool((precision[faint] > 1e-5).all())  # flagged, not hidden
+    assert float(precision[~faint].max()) < 1e-8
+    assert rec.summary()["certified_precision"] == pytest.approx(precision.tolist(), rel=1e-2)

@@ -1174,7 +1174,7 @@ def finish(
     """The :class:`Reconstruction` of the best selection (or of what was certified so far)."""
     b, opts = setup.b, setup.options
     rows = setup.problem.sparse_factor.shape[0]
-    certified_inputs, certified_labels, certified_weights = _certified_samples(
+    certified_inputs, certified_labels, certified_weights, certified_precision = _certified_samples(
         setup, peeled, verdict, selection
     )
     stats = AttackStats(
@@ -1208,6 +1208,7 @@ def finish(
         "certified_inputs": certified_inputs,
         "certified_labels": certified_labels,
         "certified_weights": certified_weights,
+        "certified_precision": certified_precision,
         "notes": notes,
     }
     peeled_note = f"; {len(peeled)} sample(s) recovered and certified one by one" if len(peeled) else ""
@@ -1285,14 +1286,24 @@ def finish(
 
 def _certified_samples(
     setup: AttackSetup, peeled: PeeledSamples, verdict: Verdict | None, selection: Selection | None
-) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     """The samples certified one by one: those peeled, and, in a consistent batch the model does
     not verify as a whole, its columns the model certifies on their own
     (:func:`spear.core.verdict.individually_certified`); with their labels (-1 where unknown)
-    and loss weights (NaN where unknown), both None when no label is known."""
+    and loss weights (NaN where unknown), both None when no label is known, and their
+    precision in the data (:meth:`AttackSetup.sample_precision` of the consistent batch they
+    belong to; NaN for a peeled sample no consistent batch holds)."""
     inputs, labels, weights = setup.expand_inputs(peeled.inputs), peeled.labels, peeled.weights
-    if verdict is not None and verdict.consistent and selection is not None and len(peeled):
+    consistent = verdict is not None and verdict.consistent and selection is not None
+    precision = torch.full((len(peeled),), torch.nan, dtype=torch.float64)
+    if consistent and len(peeled):
+        assert verdict is not None and selection is not None
         inputs = _as_assembled(setup, peeled, verdict, selection, inputs)
+        batch_precision = setup.sample_precision(selection.Qbar)
+        q = selection.Qbar.T / selection.Qbar.T.norm(dim=1, keepdim=True)
+        best, column = (peeled.directions.to(q) @ q.T).abs().max(dim=1)
+        held = (best > 1.0 - 1e-9).cpu()
+        precision[held] = batch_precision[column.cpu()[held]]
     extra = None if verdict is None or verdict.verified else verdict.individual
     if extra is not None and selection is not None and len(peeled):
         # a peeled sample whose assembled column lost its certificate (or was polished, turning
@@ -1301,16 +1312,18 @@ def _certified_samples(
         same = (q @ peeled.directions.T.to(q)).abs().amax(dim=1) > 1.0 - MAX_TURN**2
         extra = extra & ~same.to(extra.device)
     if extra is not None and bool(extra.any()):
-        assert verdict is not None and verdict.certificates is not None
+        assert verdict is not None and verdict.certificates is not None and selection is not None
         extra = extra.to(verdict.inputs.device)
         inputs = torch.cat([inputs, verdict.inputs[extra].to(inputs)])
         labels = torch.cat([labels, verdict.certificates.labels.to(extra.device)[extra].to(labels)])
         weights = torch.cat([weights, verdict.certificates.weights.to(extra.device)[extra].to(weights)])
+        precision = torch.cat([precision, setup.sample_precision(selection.Qbar)[extra.cpu()]])
     if inputs.shape[0] == 0:
-        return None, None, None
+        return None, None, None, None
+    precision = precision.to(inputs.device)
     if not bool((labels >= 0).any()):
-        return inputs, None, None
-    return inputs, labels, weights
+        return inputs, None, None, precision
+    return inputs, labels, weights, precision
 
 
 def _as_assembled(

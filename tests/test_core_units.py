@@ -644,4 +644,4 @@ def test_unrecovered_message_says_why_enough_candidates_gave_no_basis():
 
     assert "fewer than the b=9" in _short_of_a_basis(3, 9)
     reason = _short_of_a_basis(40, 9)
-    assert "fewer than" not in reason and "no b=9 of them are independent" in reason
+    assert "fewer than" not in reason and "no b=9 of them form an independent" in reason

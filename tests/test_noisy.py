@@ -92,3 +92,20 @@ def test_the_noisy_sampler_on_an_exact_gradient_is_exact(noisy_client):
     assert rec.verified
     est, ref = match_rows(rec.inputs, secret.inputs)
     assert float((rec.inputs[est] - secret.inputs[ref]).abs().max()) < 1e-9
+
+
+@pytest.mark.parametrize("b", [3, 4])
+def test_a_noisy_dense_gradient_is_still_diagnosed_at_small_b(b):
+    """Noise of 1e-2 on a Tanh layer's gradient: chance zeros inside the noise band look like a
+    ReLU's to the sparsity probe, which would lower the threshold and search to the budget. On
+    a noisy gradient the sampler's spent patience alone says "dense", before any probe."""
+    from spear.errors import NoSparsityError
+    from tests.conftest import make_client
+
+    dense = make_client(b, width=100, seed=23, activation=torch.nn.Tanh)
+    W, bias, GW, Gb = dense.layer_args()
+    g = torch.Generator().manual_seed(0)
+    GW = GW + 1e-2 * GW.abs().max() * torch.randn(GW.shape, generator=g, dtype=GW.dtype)
+    Gb = Gb + 1e-2 * Gb.abs().max() * torch.randn(Gb.shape, generator=g, dtype=Gb.dtype)
+    with pytest.raises(NoSparsityError, match="dense"):
+        spear.reconstruct(W, bias, GW, Gb, max_proposals=300_000, batch_size=b)

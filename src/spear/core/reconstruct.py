@@ -468,6 +468,7 @@ class _Attack:
         self.adapted = False  # the filter's threshold was (or will not be) adapted
         self.trusted_seen, self.last_progress = 0, 0  # for _check_stall
         self.sparse_drop = -1  # the last call whose snapping dropped a ReLU-sparse direction
+        self.probe_found_sparse = False  # the sparsity probe found ReLU-sparse directions
         self.swaps_deferred = False  # the last selection skipped its swaps (peeling progressed)
         self.resolvable = setup.resolvable
         self._offered: Selection | None = None  # the last selection shown to stop_when
@@ -1013,10 +1014,14 @@ class _Attack:
         # paper's 50%, Fig. 7): only a gradient with hardly any zeros exhausts this patience
         patience = NO_SPARSITY_PATIENCE / (b * NO_SPARSITY_ZERO_RATE ** (b - 1))
         exhausted = self.drawn >= patience and rows > 2 * b
-        if not self.probed and (self.calls >= PROBE_AFTER_CALLS or exhausted):
+        # on a noisy gradient the probe's chance zeros (the noise band) read as sparse: there the
+        # spent patience decides alone, as it did before the probe came first
+        early = exhausted and not s.split.noisy
+        if not self.probed and (self.calls >= PROBE_AFTER_CALLS or early):
             self.probed = True
             probe = probe_sparse_directions(self.search.root, s.tol.zero_rtol, s.tol.zero_floor, None)
             counts = probe.snapped.zero_counts
+            self.probe_found_sparse = probe.probed and not probe.looks_dense(b, rows)
             if probe.probed and not bool((counts >= s.threshold).any()) and not probe.looks_dense(b, rows):
                 self._adapt_threshold(adapted_threshold(probe.sparsest, b), probe.sparsest, rows)
             self._absorb(probe.snapped.select(counts >= s.threshold))
@@ -1032,12 +1037,15 @@ class _Attack:
 
     def _looks_dense(self, evidence: bool) -> bool:
         """Whether the search so far, with ``evidence`` (a probe's, or the patience spent),
-        says dL/dZ has no ReLU sparsity: nothing pooled, and no snapped direction sparse as a
-        ReLU's column dropped for the filter's threshold alone. Such a direction is exact, so the
-        columns are sparse, only less than the threshold asks (a trained layer with dead neurons:
-        ~100 zeros of 407 live rows at b = 5, against a threshold of 163): the probe then lowers
-        the threshold instead."""
-        return evidence and len(self.pool) == 0 and self.sparse_drop < 0
+        says dL/dZ has no ReLU sparsity: nothing pooled, and no exact direction sparse as a
+        ReLU's column seen, neither dropped for the filter's threshold alone (by snapping or by
+        the next-layer proposer) nor found by the probe. Such a direction shows the columns are
+        sparse, only less than the threshold asks (a trained layer with dead neurons: ~100
+        zeros of 407 live rows at b = 5, against a threshold of 163), and the probe lowers the
+        threshold instead. On a noisy gradient (DP-SGD) chance zeros inside the noise band can
+        pass for such a direction, so there only the evidence counts."""
+        sparse_seen = (self.sparse_drop >= 0 or self.probe_found_sparse) and not self.setup.split.noisy
+        return evidence and len(self.pool) == 0 and not sparse_seen
 
     def _check_stall(self) -> None:
         """When no new direction came for ``STALL_CALLS`` calls with fewer than b in hand (for
@@ -1291,19 +1299,17 @@ def _certified_samples(
     not verify as a whole, its columns the model certifies on their own
     (:func:`spear.core.verdict.individually_certified`); with their labels (-1 where unknown)
     and loss weights (NaN where unknown), both None when no label is known, and their
-    precision in the data (:meth:`AttackSetup.sample_precision` of the consistent batch they
-    belong to; NaN for a peeled sample no consistent batch holds)."""
+    precision in the data (:meth:`AttackSetup.sample_precision` of the consistent batch whose
+    value they report; NaN for a peeled sample that reports its own, read off rows of the
+    gradient: no consistent batch, or one that assembles its direction otherwise)."""
     inputs, labels, weights = setup.expand_inputs(peeled.inputs), peeled.labels, peeled.weights
     consistent = verdict is not None and verdict.consistent and selection is not None
     precision = torch.full((len(peeled),), torch.nan, dtype=torch.float64)
     if consistent and len(peeled):
         assert verdict is not None and selection is not None
-        inputs = _as_assembled(setup, peeled, verdict, selection, inputs)
-        batch_precision = setup.sample_precision(selection.Qbar)
-        q = selection.Qbar.T / selection.Qbar.T.norm(dim=1, keepdim=True)
-        best, column = (peeled.directions.to(q) @ q.T).abs().max(dim=1)
-        held = (best > 1.0 - 1e-9).cpu()
-        precision[held] = batch_precision[column.cpu()[held]]
+        inputs, held, column = _as_assembled(setup, peeled, verdict, selection, inputs)
+        held, column = held.cpu(), column.cpu()
+        precision[held] = setup.sample_precision(selection.Qbar)[column[held]]
     extra = None if verdict is None or verdict.verified else verdict.individual
     if extra is not None and selection is not None and len(peeled):
         # a peeled sample whose assembled column lost its certificate (or was polished, turning
@@ -1328,19 +1334,20 @@ def _certified_samples(
 
 def _as_assembled(
     setup: AttackSetup, peeled: PeeledSamples, verdict: Verdict, selection: Selection, inputs: torch.Tensor
-) -> torch.Tensor:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The peeled samples' ``inputs`` (f, n), each replaced by the consistent batch's sample
     where the batch assembles its direction into that same sample (to ``verify_rtol``, the
-    rule of :meth:`_Attack._certified_as_assembled`). Solved from all b directions at once, the
-    batch's value is the one ``inputs`` reports, and it is the more precise: the cascade reads
-    a sample off rows of the gradient (Fashion-MNIST b = 32 with two faint samples: 9.6e-12 off
-    the truth, the batch's 1.4e-13)."""
+    rule of :meth:`_Attack._certified_as_assembled`); which were replaced (f,), and each one's
+    nearest column of the batch (f,). Solved from all b directions at once, the batch's value
+    is the one ``inputs`` reports, and it is the more precise: the cascade reads a sample off
+    rows of the gradient (Fashion-MNIST b = 32 with two faint samples: 9.6e-12 off the truth,
+    the batch's 1.4e-13)."""
     q = selection.Qbar.T / selection.Qbar.T.norm(dim=1, keepdim=True)
     best, column = (peeled.directions.to(q) @ q.T).abs().max(dim=1)  # (f,)
     assembled = verdict.inputs[column.to(verdict.inputs.device)].to(inputs)
     gap = (assembled - inputs).norm(dim=1)
     same = (best > 1.0 - 1e-9).to(gap.device) & (gap <= setup.tol.verify_rtol * inputs.norm(dim=1))
-    return torch.where(same.unsqueeze(-1), assembled, inputs)
+    return torch.where(same.unsqueeze(-1), assembled, inputs), same, column
 
 
 def _single_sample(setup: AttackSetup, gate: ModelGate) -> Reconstruction:
@@ -1367,7 +1374,10 @@ def _short_of_a_basis(found: int, b: int) -> str:
     no ``b`` of them independent and well scaled (:func:`spear.core.greedy.greedy_filter`)."""
     if found < b:
         return f"fewer than the b={b} independent ones needed"
-    return f"but no b={b} of them are independent and well scaled (copies of fewer samples)"
+    return (
+        f"but no b={b} of them form an independent, well-scaled selection (e.g. copies of fewer "
+        "samples, or candidates the model refuted)"
+    )
 
 
 def _no_peeled(setup: AttackSetup) -> PeeledSamples:

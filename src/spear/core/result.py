@@ -165,8 +165,9 @@ class Reconstruction:
             small gradient) are known less precisely than the others. None when the batch is
             not verified: the estimate assumes the directions are right.
         certified_precision: (f,) the same estimate for each of ``certified_inputs``, from the
-            consistent batch that holds it (NaN for a sample peeled before any batch was
-            consistent), or None with ``certified_inputs``. A faint sample is certified at its
+            consistent batch whose value it reports (NaN for a peeled sample that reports its
+            own value: no batch was consistent, or the batch assembles it otherwise), or None
+            with ``certified_inputs``. A faint sample is certified at its
             own precision (its misfit and weight checked to it), so its input may be off by
             about this much: 4e-5 of its size for a sample with a loss of 1e-9 (float64, MNIST,
             an untrained shallow MLP, b = 23), where the others are known to 1e-13.

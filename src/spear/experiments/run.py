@@ -264,6 +264,7 @@ def run_experiment(settings: ExperimentSettings, progress=None) -> ExperimentRes
         "residual": rec.residual,
         "sigma": rec.sigma,
         "input_precision": rec.summary()["input_precision"],
+        "certified_precision": rec.summary()["certified_precision"],
         "recovered_batch_size": rec.batch_size,
         "consistent_directions": rec.consistent_directions,
         "message": rec.message,

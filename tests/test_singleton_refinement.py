@@ -122,7 +122,11 @@ def test_the_cascade_refines_its_samples_and_reports_the_refined_ones(monkeypatc
     monkeypatch.setattr(reconstruct, "refine_peeled", spy)
     # the cascade's own values (a consistent batch would report its assembled ones instead:
     # tests/test_faint_samples.py)
-    monkeypatch.setattr(reconstruct, "_as_assembled", lambda *args: args[-1])
+    def own_values(setup, peeled, verdict, selection, inputs):
+        none = torch.zeros(len(peeled), dtype=torch.bool)
+        return inputs, none, torch.zeros(len(peeled), dtype=torch.long)
+
+    monkeypatch.setattr(reconstruct, "_as_assembled", own_values)
     dataset = load_dataset("photos32")
     model = shallow_mlp(dataset.features, seed=0)
     view, truth = simulate_fedsgd(model, dataset, 32, seed=0, normalize=False)

@@ -112,8 +112,12 @@ def probe_sparse_directions(
     return ProbeResult(SnapResult.concat(found), sparsest, probed=complete)
 
 
-def no_sparsity_message(b: int, rows: int, mode: str, calls: int, rank: int | None = None) -> str:
-    """``rank``: the gradient's numerical rank when the user forced another batch size."""
+def no_sparsity_message(
+    b: int, rows: int, mode: str, calls: int, rank: int | None = None, probed: bool = True
+) -> str:
+    """``rank``: the gradient's numerical rank when the user forced another batch size;
+    ``probed``: whether the sparsity probe ran (not on a noisy gradient whose sampler's
+    patience ran out first)."""
     side = "output gradient dL/dZ" if mode == "output" else "input X"
     where = "followed" if mode == "output" else "preceded"
     forced = (
@@ -122,11 +126,12 @@ def no_sparsity_message(b: int, rows: int, mode: str, calls: int, rank: int | No
         if rank is not None and rank != b
         else ""
     )
+    probe = f" and a probe by ICA+IRLS{' and neuron-guided sampling' if mode == 'output' else ''}"
     return (
-        f"no ReLU-sparse direction: {calls} proposer calls and a probe by ICA+IRLS"
-        f"{' and neuron-guided sampling' if mode == 'output' else ''} found no direction with the "
-        f"sparsity a ReLU gives (b={b}, {rows} rows): the {side} is dense. Is the layer {where} by "
-        f"a ReLU? Otherwise try sparsity='input'/'output', or check the gradient was not noised.{forced}"
+        f"no ReLU-sparse direction: {calls} proposer calls{probe if probed else ''} found no "
+        f"direction with the sparsity a ReLU gives (b={b}, {rows} rows): the {side} is dense. Is the "
+        f"layer {where} by a ReLU? Otherwise try sparsity='input'/'output', or check the gradient "
+        f"was not noised.{forced}"
     )
 
 

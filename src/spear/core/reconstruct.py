@@ -1032,7 +1032,9 @@ class _Attack:
             return
         if exhausted and self._looks_dense(True):
             raise NoSparsityError(
-                no_sparsity_message(b, rows, s.options.sparsity, self.calls, s.split.numerical_rank)
+                no_sparsity_message(
+                    b, rows, s.options.sparsity, self.calls, s.split.numerical_rank, probed=self.probed
+                )
             )
 
     def _looks_dense(self, evidence: bool) -> bool:

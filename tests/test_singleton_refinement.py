@@ -120,6 +120,7 @@ def test_the_cascade_refines_its_samples_and_reports_the_refined_ones(monkeypatc
         return out
 
     monkeypatch.setattr(reconstruct, "refine_peeled", spy)
+
     # the cascade's own values (a consistent batch would report its assembled ones instead:
     # tests/test_faint_samples.py)
     def own_values(setup, peeled, verdict, selection, inputs):

@@ -1002,9 +1002,10 @@ class _Attack:
     def _check_sparsity(self) -> None:
         """Diagnose a gradient without ReLU sparsity instead of searching until the budget ends,
         and columns too dense for the filter's threshold (trained networks). The probe (ICA+IRLS
-        and neuron-guided sampling) runs before any verdict of "dense": at b = 5 the sampler's
-        patience can run out in two calls where each column has ~26 zeros among 369 live rows
-        (a deep layer on raw inputs: most neurons dead or active for the whole batch)."""
+        and neuron-guided sampling) runs before any verdict of "dense" but on a noisy gradient:
+        at b = 5 the sampler's patience can run out in two calls where each column has ~26 zeros
+        among 369 live rows (a deep layer on raw inputs: most neurons dead or active for the
+        whole batch)."""
         if len(self.pool):
             self._check_stall()
             return

@@ -167,10 +167,10 @@ class Reconstruction:
         certified_precision: (f,) the same estimate for each of ``certified_inputs``, from the
             consistent batch whose value it reports (NaN for a peeled sample that reports its
             own value: no batch was consistent, or the batch assembles it otherwise), or None
-            with ``certified_inputs``. A faint sample is certified at its
-            own precision (its misfit and weight checked to it), so its input may be off by
-            about this much: 4e-5 of its size for a sample with a loss of 1e-9 (float64, MNIST,
-            an untrained shallow MLP, b = 23), where the others are known to 1e-13.
+            with ``certified_inputs``. A faint sample is certified at its own precision (its
+            misfit and weight checked to it), so its input may be off by about this much: 4e-5
+            of its size for a sample with a loss of 1e-9 (float64, MNIST, an untrained shallow
+            MLP, b = 23), where the others are known to 1e-13.
     """
 
     inputs: torch.Tensor | None

@@ -1021,12 +1021,12 @@ class _Attack:
         if not self.probed and (self.calls >= PROBE_AFTER_CALLS or early):
             self.probed = True
             probe = probe_sparse_directions(self.search.root, s.tol.zero_rtol, s.tol.zero_floor, None)
-            counts = probe.snapped.zero_counts
-            self.probe_found_sparse = probe.probed and not probe.looks_dense(b, rows)
-            if probe.probed and not bool((counts >= s.threshold).any()) and not probe.looks_dense(b, rows):
+            counts, dense = probe.snapped.zero_counts, probe.looks_dense(b, rows)
+            self.probe_found_sparse = probe.probed and not dense
+            if self.probe_found_sparse and not bool((counts >= s.threshold).any()):
                 self._adapt_threshold(adapted_threshold(probe.sparsest, b), probe.sparsest, rows)
             self._absorb(probe.snapped.select(counts >= s.threshold))
-            if self._looks_dense(probe.looks_dense(b, rows)) and rows >= DIAGNOSABLE_RATIO * b:
+            if self._looks_dense(dense) and rows >= DIAGNOSABLE_RATIO * b:
                 raise NoSparsityError(
                     no_sparsity_message(b, rows, s.options.sparsity, self.calls, s.split.numerical_rank)
                 )
@@ -1306,13 +1306,6 @@ def _certified_samples(
     value they report; NaN for a peeled sample that reports its own, read off rows of the
     gradient: no consistent batch, or one that assembles its direction otherwise)."""
     inputs, labels, weights = setup.expand_inputs(peeled.inputs), peeled.labels, peeled.weights
-    consistent = verdict is not None and verdict.consistent and selection is not None
-    precision = torch.full((len(peeled),), torch.nan, dtype=torch.float64)
-    if consistent and len(peeled):
-        assert verdict is not None and selection is not None
-        inputs, held, column = _as_assembled(setup, peeled, verdict, selection, inputs)
-        held, column = held.cpu(), column.cpu()
-        precision[held] = setup.sample_precision(selection.Qbar)[column[held]]
     extra = None if verdict is None or verdict.verified else verdict.individual
     if extra is not None and selection is not None and len(peeled):
         # a peeled sample whose assembled column lost its certificate (or was polished, turning
@@ -1320,13 +1313,22 @@ def _certified_samples(
         q = selection.Qbar.T / selection.Qbar.T.norm(dim=1, keepdim=True)
         same = (q @ peeled.directions.T.to(q)).abs().amax(dim=1) > 1.0 - MAX_TURN**2
         extra = extra & ~same.to(extra.device)
-    if extra is not None and bool(extra.any()):
-        assert verdict is not None and verdict.certificates is not None and selection is not None
-        extra = extra.to(verdict.inputs.device)
-        inputs = torch.cat([inputs, verdict.inputs[extra].to(inputs)])
-        labels = torch.cat([labels, verdict.certificates.labels.to(extra.device)[extra].to(labels)])
-        weights = torch.cat([weights, verdict.certificates.weights.to(extra.device)[extra].to(weights)])
-        precision = torch.cat([precision, setup.sample_precision(selection.Qbar)[extra.cpu()]])
+    precision = torch.full((len(peeled),), torch.nan, dtype=torch.float64)
+    consistent = verdict is not None and verdict.consistent and selection is not None
+    if consistent and (len(peeled) or (extra is not None and bool(extra.any()))):
+        assert verdict is not None and selection is not None
+        batch_precision = setup.sample_precision(selection.Qbar)
+        if len(peeled):
+            inputs, held, column = _as_assembled(setup, peeled, verdict, selection, inputs)
+            held, column = held.cpu(), column.cpu()
+            precision[held] = batch_precision[column[held]]
+        if extra is not None and bool(extra.any()):  # a consistent batch's own certificates
+            assert verdict.certificates is not None
+            extra = extra.to(verdict.inputs.device)
+            inputs = torch.cat([inputs, verdict.inputs[extra].to(inputs)])
+            labels = torch.cat([labels, verdict.certificates.labels.to(extra.device)[extra].to(labels)])
+            weights = torch.cat([weights, verdict.certificates.weights.to(extra.device)[extra].to(weights)])
+            precision = torch.cat([precision, batch_precision[extra.cpu()]])
     if inputs.shape[0] == 0:
         return None, None, None, None
     precision = precision.to(inputs.device)

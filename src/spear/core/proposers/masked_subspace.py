@@ -332,7 +332,10 @@ def explain_away(
     nan = torch.full((columns.shape[0], 1), float("nan"), dtype=columns.dtype, device=columns.device)
     padded = torch.cat([columns, nan], dim=1)  # rows[] pads with index m: NaN
     result = columns.clone()
-    for index in (columns != 0).any(dim=1).nonzero()[:, 0].split(chunk):
+    nonzero = (columns != 0).any(dim=1).nonzero()[:, 0]
+    if nonzero.numel() == 0:  # every column explained whole already (split would give one empty part)
+        return result
+    for index in nonzero.split(chunk):
         if deadline.passed():
             return None
         values = padded[index][:, rows]  # (c, f, width)

@@ -37,10 +37,9 @@ from pathlib import Path
 import torch
 
 import spear
-from common import certified_count, machine, median, run_settings, write_json
+from common import certified_count, machine, median, relative_error, run_settings, write_json
 from spear.data import load_dataset
 from spear.fl import feature_layer, fully_connected, layer_inputs, pretrain, simulate_fedsgd, small_cnn
-from spear.metrics import match_samples
 
 #: setting -> (architecture, layer, sparsity)
 SETTINGS = {
@@ -75,14 +74,6 @@ def network(arch: str, dataset, dtype: torch.dtype, steps: int, m: int, seed: in
         _TRAINED[key] = {k: v.clone() for k, v in model.state_dict().items()}
     model.load_state_dict(_TRAINED[key])
     return model
-
-
-def relative_error(rec, truth: torch.Tensor) -> float | None:
-    if rec.inputs is None or rec.inputs.shape != truth.shape:
-        return None
-    est, ref = match_samples(rec.inputs.double(), truth.double())
-    scale = truth.abs().amax().clamp_min(1e-300)
-    return float((rec.inputs.double()[est] - truth.double()[ref]).abs().amax() / scale)
 
 
 def one(

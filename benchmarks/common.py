@@ -71,6 +71,16 @@ def exact_match(rec, truth: torch.Tensor, atol: float = 1e-6) -> bool:
     return bool((rec.inputs[est] - truth[ref]).abs().max() < atol)
 
 
+def relative_error(rec, truth: torch.Tensor) -> float | None:
+    """The largest entry of the matched reconstruction's error over the truth's largest entry;
+    None where the result holds no batch of the truth's shape (a sample left out, nothing)."""
+    if rec.inputs is None or rec.inputs.shape != truth.shape:
+        return None
+    est, ref = match_samples(rec.inputs.double(), truth.double())
+    scale = truth.abs().amax().clamp_min(1e-300)
+    return float((rec.inputs.double()[est] - truth.double()[ref]).abs().amax() / scale)
+
+
 def attack_batch(dataset, width: int, batch_size: int, depth: int, seed: int, **options):
     """One FedSGD client (fully connected ReLU net, first layer attacked): (reconstruction, exact)."""
     import spear

@@ -234,6 +234,10 @@ def test_explain_away_leaves_zero_where_a_column_is_explained_whole():
     assert torch.allclose(rest[1], 1e-3 * cols[2], rtol=0, atol=1e-5 * float(both[1].abs().max()))
     # without the zero tolerance, the same columns keep their rounding
     assert float(explain_away(features, unit).abs().max()) > 0
+    # columns all explained already (digits' 64 pixels at b = 13 did it) stay as they are
+    assert torch.equal(
+        explain_away(torch.zeros(4, m, dtype=torch.float64), unit), torch.zeros(4, m, dtype=torch.float64)
+    )
 
 
 def test_the_last_samples_inputs_give_their_exact_patterns(case):
@@ -360,3 +364,29 @@ def test_confirmed_patterns_count_below_the_sparsity_threshold(monkeypatch):
     monkeypatch.setattr(MaskedSubspaceProposer, "propose", unconfirmed)
     held = spear.attack_layer(view.model, layer, view.gradients, seed=0, max_proposals=20_000)
     assert not held.verified and held.stats.candidates < 64
+
+
+def _small_batch_runs(monkeypatch, view, layer: str, seed: int, max_proposals: int):
+    """The attack as it is, and with the pattern search out of the small-batch schedule."""
+    with_search = spear.attack_layer(
+        view.model, layer, view.gradients, seed=seed, max_proposals=max_proposals
+    )
+    monkeypatch.setattr(MaskedSubspaceProposer, "has_work", lambda self, ctx: False)
+    without = spear.attack_layer(view.model, layer, view.gradients, seed=seed, max_proposals=max_proposals)
+    return with_search, without
+
+
+def test_small_batches_below_a_narrow_head_get_its_pattern_search(monkeypatch):
+    """b = 13 (the paper's sampler alone below 14) on a two-layer MLP trained 300 steps, raw
+    digits, float32: the last columns are too dense for sampling (1M proposals found none), and
+    the head's pattern search pins them."""
+    from spear.fl import fully_connected, pretrain
+
+    dataset = load_dataset("digits")
+    model = fully_connected(dataset.features, 300, 2, dataset.classes, seed=7267, dtype=torch.float32)
+    pretrain(model, dataset, 300, seed=7267)
+    view, truth = simulate_fedsgd(model, dataset, 13, seed=7267, normalize=False)
+    rec, without = _small_batch_runs(monkeypatch, view, "0", seed=7267, max_proposals=100_000)
+    assert rec.verified and rec.stats.proposals < 100_000
+    assert_exact(rec.inputs.double(), truth.inputs.double(), rtol=1e-5)
+    assert not without.verified and without.stats.proposals == 100_000

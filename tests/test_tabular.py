@@ -121,6 +121,26 @@ def test_adult_rows_are_recovered_exactly_and_decode_to_the_records(adult, batch
     assert as_rows(decoded) == as_rows(truth)
 
 
+def test_a_binary_head_over_one_hidden_layer_is_recovered_at_small_b(adult, monkeypatch):
+    """Income prediction as a one-hidden-layer network, trained 100 steps, b = 3. With two
+    classes every column of dL/dZ is the same vector masked by a sample's pattern, so two
+    columns' difference vanishes wherever their patterns agree: sparser than either. The
+    faint sample's column (90 zeros of 255 live rows) lay under the threshold of 94, and the
+    sampler searched its 1M proposals for nothing; the head's pattern search pins it."""
+    from spear.core.proposers import MaskedSubspaceProposer
+    from spear.fl import pretrain, shallow_mlp
+
+    model = shallow_mlp(adult.features, 300, adult.classes, seed=1859)
+    pretrain(model, adult, 100, seed=1859)
+    view, secret = simulate_fedsgd(model, adult, 3, seed=1859)
+    rec = spear.attack_layer(view.model, "0", view.gradients, max_proposals=50_000, seed=1859)
+    assert rec.verified
+    assert_exact(rec.inputs, secret.inputs, rtol=1e-9)
+    monkeypatch.setattr(MaskedSubspaceProposer, "has_work", lambda self, ctx: False)
+    without = spear.attack_layer(view.model, "0", view.gradients, max_proposals=50_000, seed=1859)
+    assert not without.verified and without.stats.proposals == 50_000
+
+
 def test_adult_experiment_record(adult, tmp_path):
     from spear.experiments import summarize, write_result_dir
 

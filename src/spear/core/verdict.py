@@ -556,8 +556,9 @@ def _judge_by_model(
         if not bool(cert.strong.all()):
             signs = (~cert.strong).nonzero()[:, 0].tolist()
             verdict.notes.append(
-                f"the labels of sample(s) {signs} rest on the sign of their gradient (two classes): "
-                "they assume the loss is plain cross-entropy"
+                f"the labels of sample(s) {signs} rest on the sign of their gradient, whose direction "
+                "is the same for every label (two classes, a saturated softmax, or a rank-one layer "
+                "above): they assume the loss is plain cross-entropy"
             )
 
 

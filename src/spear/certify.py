@@ -200,6 +200,11 @@ class ModelCertifier:
         each one's ``d loss(tail(z_j), y_j) / dz`` at unit loss weight."""
         return self._loss_gradient(inputs.detach().to(self.weight) @ self.weight.T + self.bias, labels)
 
+    def per_label_columns(self, inputs: torch.Tensor) -> torch.Tensor:
+        """(k, C, m) the columns the model predicts for k samples (inputs (k, n)) under each of
+        the C labels, at unit loss weight."""
+        return self.per_label_gradients(inputs.detach().to(self.weight) @ self.weight.T + self.bias)
+
     def _sensitivity(self, z: torch.Tensor, label: torch.Tensor) -> torch.Tensor:
         """``|H u| |z| / |g|`` per sample: the relative change of the per-sample gradient g per
         relative change of the pre-activations z along ``u = z / |z|`` (H: the loss's Hessian
@@ -331,6 +336,10 @@ class WeightedCertifier:
         """The inner certificate's predicted columns at unit loss weight
         (:meth:`ModelCertifier.gradients`): a sample's weight scales its column, not its shape."""
         return self.inner.gradients(inputs, labels)
+
+    def per_label_columns(self, inputs: torch.Tensor) -> torch.Tensor:
+        """The inner certificate's columns under every label (:meth:`ModelCertifier.per_label_columns`)."""
+        return self.inner.per_label_columns(inputs)
 
     def __call__(
         self, inputs: torch.Tensor, grad_outputs: torch.Tensor, rtol: torch.Tensor | None = None

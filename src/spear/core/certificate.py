@@ -86,6 +86,12 @@ class SampleCertifier(Protocol):
     hold sigma below 1 when the batch has no other contradiction, reproduces the gradient, and
     the certifier certifies the entry's column and predicts it below the zero band too
     (:func:`spear.core.verdict.model_explains_silent`).
+
+    Optionally, ``per_label_columns(inputs) -> (k, C, m)``: the columns the model predicts for k
+    samples under each of its C labels, at unit loss weight. Given, the singleton cascade takes
+    a sample whose inactive neurons leave its column a kernel of a few dimensions (a
+    near-duplicate's zero set inside its twin's) by the one label whose column lies in that
+    kernel (:class:`spear.core.input_peeling.InputSidePeeler`).
     """
 
     def __call__(self, inputs: torch.Tensor, grad_outputs: torch.Tensor) -> SampleCertificates: ...

@@ -22,6 +22,14 @@ sample can be completed on its own, without the other directions (the mirror ima
 4. The remaining directions satisfy ``p . u_j = 0``; subtracting ``(L u_j) x_j^T`` and ``L u_j``
    leaves the gradients of the other samples (:func:`spear.core.peeling.residual_problem`).
 
+Near duplicates: when a sample's inactive neurons are all inactive for a similar sample too
+(their patterns differ in a few rows, one zero set inside the other), ``L[S_j]`` keeps both
+columns, and step 2's kernel is two-dimensional. With the model's predicted columns
+(``predict_columns``: each label's ``d loss / dZ`` at ``x_j``), the column is the one of that
+kernel the model predicts: exactly one label's column must lie in it. Fashion-MNIST's CNN head
+trained 300 steps, b = 10: two samples of one class whose patterns differ in 4 of 144 live rows.
+Such a sample is never robust: it counts only with a discriminative model certificate.
+
 These checks are necessary but, unlike the two-layer certificate of :mod:`spear.core.peeling`,
 not sufficient: when features tie across samples (``x_k = a x_j`` on a few features of
 ``supp(x_j)``), a mixture dominated by one sample can vanish on that sample's zeros plus the tied
@@ -34,6 +42,8 @@ Only server-side quantities are used: W, bias, dL/dW and dL/db.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from spear.core.deadline import NEVER, Deadline
@@ -41,6 +51,17 @@ from spear.core.filtering import zero_mask
 from spear.core.linalg import masked_kernels
 from spear.core.peeling import PeelChecks, PeeledSamples, PeelOutcome, peel_chunks
 from spear.core.scale import LayerProblem
+
+#: a sample's column is taken from the model where its inactive neurons leave a kernel of 2 to
+#: this many dimensions (module doc: near duplicates)
+MAX_SHARED_KERNEL = 4
+#: ... and only where the checks' tolerance is at most this (float64 gradients): at float32's
+#: 1e-3 a span of a few columns comes that close to other predictions too (a float32 model
+#: cascade, MNIST 4 x 200, b = 48, took two samples this way and ended 1.5e-4 off, where the
+#: others were within 3e-5)
+MODEL_COLUMN_RTOL = 1e-6
+#: inputs (k, n) -> the model's columns (k, C, m) under each label, at unit loss weight
+ColumnModel = Callable[[torch.Tensor], torch.Tensor]
 
 
 class InputSidePeeler:
@@ -58,13 +79,21 @@ class InputSidePeeler:
             of :func:`spear.core.singletons.singleton_candidates`: photos, or inputs whose zeros
             other samples share), steps 2-3 still apply, but no sample is robust: only a
             discriminative model certificate counts it.
+        predict_columns: the model's columns under each label for inputs in this layer's
+            coordinates (module doc: near duplicates); None: none are taken from the model.
     """
 
     #: the layer alone cannot certify these samples (see the module doc)
     needs_model = True
 
     def __init__(
-        self, problem: LayerProblem, rtol: float, z_rtol: float, zero_rtol: float, pin_inputs: bool = True
+        self,
+        problem: LayerProblem,
+        rtol: float,
+        z_rtol: float,
+        zero_rtol: float,
+        pin_inputs: bool = True,
+        predict_columns: ColumnModel | None = None,
     ) -> None:
         if problem.mode != "input":
             raise ValueError("InputSidePeeler needs a problem in input-sparsity mode")
@@ -73,6 +102,7 @@ class InputSidePeeler:
         self.z_rtol = z_rtol
         self.zero_rtol = zero_rtol
         self.pin_inputs = pin_inputs
+        self.predict_columns = predict_columns
 
     @property
     def usable(self) -> bool:
@@ -120,7 +150,13 @@ class InputSidePeeler:
         active = (z > 0) & ~signless
         enough = inactive.sum(dim=1) >= b
         plausible = scaled & nonnegative & enough
-        one_dim, firm, q = _kernel(L, inactive, self.rtol, plausible)  # q: (k, b) the column's direction
+        one_dim, firm, q, wider = _kernel(L, inactive, self.rtol, plausible)  # q: the column's direction
+        if self.predict_columns is not None and self.rtol <= MODEL_COLUMN_RTOL:  # near duplicates
+            shared = (plausible & wider).nonzero()[:, 0]
+            if shared.numel():
+                found, vectors = self._model_columns(inactive[shared], x[shared])
+                one_dim[shared[found]] = True
+                q[shared[found]] = vectors[found]  # firm stays False: the layer does not pin them
         column = q @ L.T  # (k, m)
         nonzero = ~zero_mask(column, self.zero_rtol)
         # sigma = 1 for this column: zero where inactive (the kernel), nonzero where active
@@ -135,9 +171,40 @@ class InputSidePeeler:
         # the input's own zeros must pin p (a mixture of samples vanishes only where all do,
         # and there its kernel holds all of them)
         own_zeros = zero_mask(x, self.zero_rtol)
-        pinned, firm_input, _ = _kernel(problem.R.T, own_zeros, self.rtol, ok)
+        pinned, firm_input, _, _ = _kernel(problem.R.T, own_zeros, self.rtol, ok)
         ok &= pinned & (own_zeros.sum(dim=1) >= b - 1)
         return ok, ok & firm & firm_input, r, u
+
+    def _model_columns(self, inactive: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """For k samples (inputs x (k, n)) whose inactive rows (k, m) leave ``L`` a kernel of two
+        dimensions or more: whether it has at most ``MAX_SHARED_KERNEL`` and exactly one label's
+        predicted column lies in the span of its columns (to ``rtol`` of its norm), and that
+        column's direction (k, b)."""
+        L = self.problem.L
+        k, b = inactive.shape[0], L.shape[1]
+        found = torch.zeros(k, dtype=torch.bool, device=L.device)
+        vectors = torch.zeros(k, b, dtype=L.dtype, device=L.device)
+        maybe = torch.arange(k, device=L.device)
+        _, S, Vh = torch.linalg.svd(L * inactive[maybe].unsqueeze(-1).to(L.dtype), full_matrices=False)
+        relative = S / S[:, :1].clamp_min(torch.finfo(L.dtype).tiny)
+        dims = (relative <= self.rtol).sum(dim=1)
+        usable = (dims >= 2) & (dims <= MAX_SHARED_KERNEL)
+        if not bool(usable.any()):
+            return found, vectors
+        predicted = self.predict_columns(x[maybe[usable]]).to(L.dtype)  # (k', C, m)
+        tiny = torch.finfo(L.dtype).tiny
+        for i, index in enumerate(usable.nonzero()[:, 0].tolist()):
+            kernel = Vh[index, b - int(dims[index]) :].T  # (b, d)
+            span = L @ kernel  # (m, d): the columns vanishing on the inactive rows
+            target = predicted[i].T  # (m, C)
+            coefficients = torch.linalg.lstsq(span, target).solution  # (d, C)
+            misfit = (span @ coefficients - target).norm(dim=0) / target.norm(dim=0).clamp_min(tiny)
+            fits = (misfit <= self.rtol).nonzero()[:, 0]
+            if fits.numel() == 1:  # one label only: two or more would not tell the column
+                vector = kernel @ coefficients[:, fits[0]]
+                found[maybe[index]] = True
+                vectors[maybe[index]] = vector / vector.norm().clamp_min(tiny)
+        return found, vectors
 
 
 #: the kernel screen's relative singular value: row sets whose smallest singular value is
@@ -149,29 +216,33 @@ SCREEN_RTOL = 1e-6
 
 def _kernel(
     factor: torch.Tensor, rows: torch.Tensor, rtol: float, todo: torch.Tensor | None = None
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """For k row sets (k, rows) of ``factor`` (rows x b): whether the kernel of those rows is
-    one-dimensional, whether it is also robust (no essential row), and its unit vector (k, b;
-    zero for the sets not solved). Only the sets in ``todo`` (k,) are solved (default: all),
-    and only those :func:`_may_have_kernel` passes are solved (:func:`masked_kernels`, an SVD
+    one-dimensional, whether it is also robust (no essential row), its unit vector (k, b;
+    zero for the sets not solved), and whether it has two dimensions or more. Only the sets
+    in ``todo`` (k,) are solved (default: all), and only those :func:`_may_have_kernel`
+    passes are solved (:func:`masked_kernels`, an SVD
     of m x b or an eigendecomposition of b x b: most candidate inputs of the singleton cascade
     predict a pattern no column has, and an SVD each made its dense rounds tens of seconds at
     m = 1000, b = 256)."""
     k, b = rows.shape[0], factor.shape[1]
     one_dim = torch.zeros(k, dtype=torch.bool, device=factor.device)
     robust = torch.zeros_like(one_dim)
+    wider = torch.zeros_like(one_dim)
     vectors = torch.zeros(k, b, dtype=factor.dtype, device=factor.device)
     todo = torch.ones_like(one_dim) if todo is None else todo.to(one_dim.device)
     index = todo.nonzero()[:, 0]
     if index.numel():
         index = index[_may_have_kernel(factor, rows[index], rtol)]
     if not index.numel():
-        return one_dim, robust, vectors
+        return one_dim, robust, vectors, wider
     solved = masked_kernels(factor, rows[index], degenerate_below=rtol)
     one_dim[index] = solved.one_dimensional(rtol)
     robust[index] = solved.robust
     vectors[index] = solved.kernel.nan_to_num(0.0)
-    return one_dim, robust, vectors
+    S = solved.singular_values
+    wider[index] = solved.degenerate | (S[:, -2] <= rtol * S[:, 0])
+    return one_dim, robust, vectors, wider
 
 
 def _may_have_kernel(factor: torch.Tensor, rows: torch.Tensor, rtol: float) -> torch.Tensor:

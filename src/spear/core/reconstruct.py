@@ -43,7 +43,7 @@ from spear.core.filtering import (
     zero_mask,
 )
 from spear.core.greedy import RANK_RTOL, Selection, greedy_filter, score
-from spear.core.input_peeling import InputSidePeeler
+from spear.core.input_peeling import ColumnModel, InputSidePeeler
 from spear.core.lowrank import LOW_PRECISION_EPS, LowRankSplit, equilibrated_split, low_rank_split
 from spear.core.peeling import PeeledSamples, SamplePeeler, certified_in_order, mutually_consistent
 from spear.core.polish import MAX_TURN, Polished, polish_directions
@@ -287,6 +287,18 @@ class AttackSetup:
         out[self.live] = live_rows
         return out
 
+    def column_model(self, certifier: object) -> ColumnModel | None:
+        """The certifier's columns under each label (``per_label_columns``) in this problem's
+        coordinates: inputs on the live features in, columns on the live neurons out."""
+        predict = getattr(certifier, "per_label_columns", None)
+        if predict is None:
+            return None
+
+        def on_live(inputs: torch.Tensor) -> torch.Tensor:
+            return predict(self.expand_inputs(inputs))[:, :, self.live.to(inputs.device)]
+
+        return on_live
+
     def expand_inputs(self, live_columns: torch.Tensor) -> torch.Tensor:
         """(k, n_live) inputs on the live features -> (k, n), zero on the dead ones."""
         if bool(self.live_inputs.all()):
@@ -439,8 +451,11 @@ class _Attack:
         self.singleton_peelers: dict[bool, InputSidePeeler] | None = None
         if opts.peel and opts.sparsity == "output" and self.peeler is None and self.gate.active and not late:
             tol, problem = setup.tol, as_input_problem(setup.problem)
+            columns = setup.column_model(certifier)
             peelers = {
-                pin: InputSidePeeler(problem, tol.verify_rtol, tol.z_rtol, tol.zero_rtol, pin_inputs=pin)
+                pin: InputSidePeeler(
+                    problem, tol.verify_rtol, tol.z_rtol, tol.zero_rtol, pin, predict_columns=columns
+                )
                 for pin in (True, False)
             }
             self.singleton_peelers = peelers if peelers[True].usable else None

@@ -291,11 +291,12 @@ class AttackSetup:
         """The certifier's columns under each label (``per_label_columns``) in this problem's
         coordinates: inputs on the live features in, columns on the live neurons out."""
         predict = getattr(certifier, "per_label_columns", None)
-        if predict is None:
+        if predict is None or self.source_dtype != torch.float64:  # float64 tolerances only
             return None
 
         def on_live(inputs: torch.Tensor) -> torch.Tensor:
-            return predict(self.expand_inputs(inputs))[:, :, self.live.to(inputs.device)]
+            columns = predict(self.expand_inputs(inputs))
+            return columns[:, :, self.live.to(columns.device)]
 
         return on_live
 

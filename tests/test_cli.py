@@ -245,3 +245,13 @@ def test_cascade_table_output_and_bad_layers():
     assert bad.exit_code == 2 and "cannot be used by the cascade" in bad.output
     rounds = runner.invoke(app, ["cascade", "--batch-size", "8", "--width", "60", "--rounds", "0"])
     assert rounds.exit_code == 2 and "--rounds must be >= 1" in rounds.output
+
+
+def test_precision_rows_summarize_the_estimates_and_count_those_without():
+    from spear.cli import _precision_summary
+
+    assert _precision_summary(None) is None and _precision_summary([]) is None
+    assert _precision_summary([3e-9, 1e-12, 4e-5]) == "median 3.0e-09, worst 4.0e-05"
+    mixed = _precision_summary([2e-10, float("nan"), None, 5e-11])
+    assert mixed == "median 2.0e-10, worst 2.0e-10; 2 solved one by one, not estimated"
+    assert _precision_summary([float("nan")] * 3) == "not estimated (3 solved one by one)"

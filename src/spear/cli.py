@@ -277,11 +277,12 @@ def attack(
         table.add_row("verified", f"{record['verified']}{verified_by}")
     table.add_row("sigma", _fmt(record["sigma"], 6))
     table.add_row("residual", f"{record['residual']:.2e}")
-    precision = record.get("input_precision")
+    precision = _precision_summary(record.get("input_precision"))
     if precision:
-        ranked = sorted(precision)
-        summary = f"median {ranked[len(ranked) // 2]:.1e}, worst {ranked[-1]:.1e}"
-        table.add_row("layer-input precision (estimated)", summary)
+        table.add_row("layer-input precision (estimated)", precision)
+    certified_precision = _precision_summary(record.get("certified_precision"))
+    if certified_precision and not record["verified"]:
+        table.add_row("certified-sample precision (estimated)", certified_precision)
     st = record["stats"]
     table.add_row("proposals", f"{st['proposals']:,}")
     table.add_row("candidates", str(st["candidates"]))
@@ -293,6 +294,19 @@ def attack(
     console.print(record["message"])
     for note in record.get("notes", []):
         console.print(f"note: {note}")
+
+
+def _precision_summary(values: list | None) -> str | None:
+    """ "median m, worst w" of per-sample precision estimates (relative), counting those
+    without one (None or NaN: a sample reported as peeled, not as a consistent batch's)."""
+    if not values:
+        return None
+    known = sorted(v for v in values if v is not None and v == v)
+    missing = len(values) - len(known)
+    if not known:
+        return f"not estimated ({missing} solved one by one)"
+    summary = f"median {known[len(known) // 2]:.1e}, worst {known[-1]:.1e}"
+    return summary + (f"; {missing} solved one by one, not estimated" if missing else "")
 
 
 @app.command()

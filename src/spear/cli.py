@@ -297,8 +297,8 @@ def attack(
 
 
 def _precision_summary(values: list | None) -> str | None:
-    """ "median m, worst w" of per-sample precision estimates (relative), counting those
-    without one (None or NaN: a sample reported as peeled, not as a consistent batch's)."""
+    """Per-sample precision estimates (relative) as "median m, worst w", counting those without
+    one (None or NaN: a sample reported as peeled, not as a consistent batch's)."""
     if not values:
         return None
     known = sorted(v for v in values if v is not None and v == v)

@@ -27,9 +27,9 @@ Near duplicates: when a sample's inactive neurons are all inactive for a similar
 columns, and step 2's kernel is two-dimensional. With the model's predicted columns
 (``predict_columns``: each label's ``d loss / dZ`` at ``x_j``), the column is the one of that
 kernel the model predicts: exactly one label's column must lie in it, and the kernel must have
-exactly two dimensions (``SHARED_KERNEL``). Fashion-MNIST's CNN head
-trained 300 steps, b = 10: two samples of one class whose patterns differ in 4 of 144 live rows.
-Such a sample is never robust: it counts only with a discriminative model certificate.
+exactly two dimensions (``SHARED_KERNEL``). Fashion-MNIST's CNN head trained 300 steps,
+b = 10: two samples of one class whose patterns differ in 4 of 144 live rows. Such a sample is
+never robust: it counts only with a discriminative model certificate.
 
 These checks are necessary but, unlike the two-layer certificate of :mod:`spear.core.peeling`,
 not sufficient: when features tie across samples (``x_k = a x_j`` on a few features of
@@ -190,26 +190,24 @@ class InputSidePeeler:
         k, b = inactive.shape[0], L.shape[1]
         found = torch.zeros(k, dtype=torch.bool, device=L.device)
         vectors = torch.zeros(k, b, dtype=L.dtype, device=L.device)
-        maybe = torch.arange(k, device=L.device)
-        _, S, Vh = torch.linalg.svd(L * inactive[maybe].unsqueeze(-1).to(L.dtype), full_matrices=False)
-        relative = S / S[:, :1].clamp_min(torch.finfo(L.dtype).tiny)
-        dims = (relative <= self.rtol).sum(dim=1)
-        usable = dims == SHARED_KERNEL
-        if not bool(usable.any()):
-            return found, vectors
-        predicted = self.predict_columns(x[maybe[usable]]).to(L)  # (k', C, m)
         tiny = torch.finfo(L.dtype).tiny
-        for i, index in enumerate(usable.nonzero()[:, 0].tolist()):
-            kernel = Vh[index, b - int(dims[index]) :].T  # (b, d)
-            span = L @ kernel  # (m, d): the columns vanishing on the inactive rows
+        _, S, Vh = torch.linalg.svd(L * inactive.unsqueeze(-1).to(L.dtype), full_matrices=False)
+        dims = (S / S[:, :1].clamp_min(tiny) <= self.rtol).sum(dim=1)
+        usable = (dims == SHARED_KERNEL).nonzero()[:, 0]
+        if not usable.numel():
+            return found, vectors
+        predicted = self.predict_columns(x[usable]).to(L)  # (k', C, m)
+        for i, index in enumerate(usable.tolist()):
+            kernel = Vh[index, b - SHARED_KERNEL :].T  # (b, 2)
+            span = L @ kernel  # (m, 2): the columns vanishing on the inactive rows
             target = predicted[i].T  # (m, C)
-            coefficients = torch.linalg.lstsq(span, target).solution  # (d, C)
+            coefficients = torch.linalg.lstsq(span, target).solution  # (2, C)
             misfit = (span @ coefficients - target).norm(dim=0) / target.norm(dim=0).clamp_min(tiny)
             fits = (misfit <= self.rtol).nonzero()[:, 0]
             if fits.numel() == 1:  # one label only: two or more would not tell the column
                 vector = kernel @ coefficients[:, fits[0]]
-                found[maybe[index]] = True
-                vectors[maybe[index]] = vector / vector.norm().clamp_min(tiny)
+                found[index] = True
+                vectors[index] = vector / vector.norm().clamp_min(tiny)
         return found, vectors
 
 
@@ -226,11 +224,10 @@ def _kernel(
     """For k row sets (k, rows) of ``factor`` (rows x b): whether the kernel of those rows is
     one-dimensional, whether it is also robust (no essential row), its unit vector (k, b;
     zero for the sets not solved), and whether it has two dimensions or more. Only the sets
-    in ``todo`` (k,) are solved (default: all), and only those :func:`_may_have_kernel`
-    passes are solved (:func:`masked_kernels`, an SVD
-    of m x b or an eigendecomposition of b x b: most candidate inputs of the singleton cascade
-    predict a pattern no column has, and an SVD each made its dense rounds tens of seconds at
-    m = 1000, b = 256)."""
+    in ``todo`` (k,) are solved (default: all), and only those :func:`_may_have_kernel` passes
+    are solved (:func:`masked_kernels`, an SVD of m x b or an eigendecomposition of b x b: most
+    candidate inputs of the singleton cascade predict a pattern no column has, and an SVD each
+    made its dense rounds tens of seconds at m = 1000, b = 256)."""
     k, b = rows.shape[0], factor.shape[1]
     one_dim = torch.zeros(k, dtype=torch.bool, device=factor.device)
     robust = torch.zeros_like(one_dim)

@@ -29,8 +29,8 @@ class AutoProposer(DirectionProposer):
       proposer: the last samples of a trained hidden layer have columns with a quarter zeros,
       which took the sampler 9M proposals (MNIST, 6-layer MLP trained 200 steps, layer 2,
       b = 32: 227k with it). Where the layer above is a known narrow head, calls 3, 7, 15, 31,
-      ... are the head's pattern search (:class:`MaskedSubspaceProposer`): it
-      needs no zeros beyond the ReLU's and its converged patterns pass below the threshold.
+      ... are the head's pattern search (:class:`MaskedSubspaceProposer`): it needs no zeros
+      beyond the ReLU's, and its converged patterns pass below the threshold.
       A binary head (UCI Adult, a shallow network trained 100 steps, b = 3) gives columns
       whose differences are sparser than themselves, and the faint sample's column (90 zeros
       of 255 live rows) lay under the threshold of 94: 1M proposals for nothing, verified in

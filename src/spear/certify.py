@@ -198,12 +198,16 @@ class ModelCertifier:
     def gradients(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """(k, m) what the model predicts for the columns of k labelled samples (inputs (k, n)):
         each one's ``d loss(tail(z_j), y_j) / dz`` at unit loss weight."""
-        return self._loss_gradient(inputs.detach().to(self.weight) @ self.weight.T + self.bias, labels)
+        return self._loss_gradient(self._preactivations(inputs), labels)
 
     def per_label_columns(self, inputs: torch.Tensor) -> torch.Tensor:
         """(k, C, m) the columns the model predicts for k samples (inputs (k, n)) under each of
         the C labels, at unit loss weight."""
-        return self.per_label_gradients(inputs.detach().to(self.weight) @ self.weight.T + self.bias)
+        return self.per_label_gradients(self._preactivations(inputs))
+
+    def _preactivations(self, inputs: torch.Tensor) -> torch.Tensor:
+        """The attacked layer's outputs ``W x + bias`` for inputs (k, n), in float64."""
+        return inputs.detach().to(self.weight) @ self.weight.T + self.bias
 
     def _sensitivity(self, z: torch.Tensor, label: torch.Tensor) -> torch.Tensor:
         """``|H u| |z| / |g|`` per sample: the relative change of the per-sample gradient g per

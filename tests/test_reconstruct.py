@@ -236,6 +236,26 @@ def test_gradient_without_relu_sparsity():
         spear.reconstruct(*dense.layer_args())
 
 
+def test_a_batch_sharing_one_activation_pattern_is_not_blamed_on_a_missing_relu():
+    """Unnormalized inputs (one feature ~1e5, as raw UCI Adult's fnlwgt): that feature decides
+    every neuron's sign, ~half the neurons are dead for the whole batch and the rest active for
+    every sample. The message used to ask whether a ReLU follows the layer; the zero rows show
+    one does, and the samples share their pattern."""
+    from spear.fl import shallow_mlp
+    from spear.fl.client import fedsgd_gradients
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.rand(16, 30, generator=g, dtype=torch.float64)
+    x[:, 0] = 1e5 * (1 + 0.1 * x[:, 0])
+    y = torch.randint(0, 10, (16,), generator=g)
+    model = shallow_mlp(30, 200, 10, seed=0).double()
+    grads = fedsgd_gradients(model, x, y)
+    with pytest.raises(NoSparsityError, match="share one activation pattern") as raised:
+        spear.attack_layer(model, "0", grads, max_proposals=20_000, seed=0)
+    assert "106 of 200 neurons are zero" in str(raised.value)
+    assert "Is the layer followed" not in str(raised.value)
+
+
 @pytest.mark.parametrize("depth,layer,steps", [(6, "8", 0), (2, "0", 300)])
 def test_small_batch_whose_columns_are_sparse_only_on_few_live_rows_is_not_called_dense(depth, layer, steps):
     """b = 5 on raw digits: a deep layer (300 of 700 neurons dead, the rest active for nearly the

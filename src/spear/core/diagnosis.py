@@ -112,12 +112,28 @@ def probe_sparse_directions(
     return ProbeResult(SnapResult.concat(found), sparsest, probed=complete)
 
 
+#: a "dense" output gradient with at least this many, and DEAD_ROWS_FRACTION of its rows, exactly
+#: zero for the whole batch has a ReLU after it: its samples share one activation pattern
+DEAD_ROWS_MIN = 2
+DEAD_ROWS_FRACTION = 0.05
+
+
 def no_sparsity_message(
-    b: int, rows: int, mode: str, calls: int, rank: int | None = None, probed: bool = True
+    b: int,
+    rows: int,
+    mode: str,
+    calls: int,
+    rank: int | None = None,
+    probed: bool = True,
+    dead: int = 0,
 ) -> str:
     """``rank``: the gradient's numerical rank when the user forced another batch size;
     ``probed``: whether the sparsity probe ran (not on a noisy gradient whose sampler's
-    patience ran out first)."""
+    patience ran out first); ``dead``: the neurons (output side) whose gradient row is exactly
+    zero for the whole batch. Many such rows show a ReLU does follow the layer (a Tanh or a
+    noised gradient leaves none): then the live neurons are active for nearly every sample,
+    the samples share one activation pattern, and the message says that instead of asking
+    whether a ReLU follows."""
     side = "output gradient dL/dZ" if mode == "output" else "input X"
     where = "followed" if mode == "output" else "preceded"
     forced = (
@@ -127,11 +143,21 @@ def no_sparsity_message(
         else ""
     )
     probe = f" and a probe by ICA+IRLS{' and neuron-guided sampling' if mode == 'output' else ''}"
-    return (
+    found = (
         f"no ReLU-sparse direction: {calls} proposer calls{probe if probed else ''} found no "
-        f"direction with the sparsity a ReLU gives (b={b}, {rows} rows): the {side} is dense. Is the "
-        f"layer {where} by a ReLU? Otherwise try sparsity='input'/'output', or check the gradient "
-        f"was not noised.{forced}"
+        f"direction with the sparsity a ReLU gives (b={b}, {rows} rows)"
+    )
+    if mode == "output" and dead >= max(DEAD_ROWS_MIN, DEAD_ROWS_FRACTION * (rows + dead)):
+        return (
+            f"{found}. A ReLU does follow the layer ({dead} of {rows + dead} neurons are zero for the "
+            "whole batch), but the live ones are active for nearly every sample: the samples share one "
+            "activation pattern, and this layer's gradient does not separate them (information, not "
+            "search). Unnormalized inputs do this: a feature of large magnitude decides the sign of "
+            f"every neuron (raw UCI Adult's fnlwgt, ~1e5, does). A deeper layer may separate them.{forced}"
+        )
+    return (
+        f"{found}: the {side} is dense. Is the layer {where} by a ReLU? Otherwise try "
+        f"sparsity='input'/'output', or check the gradient was not noised.{forced}"
     )
 
 

@@ -1043,16 +1043,17 @@ class _Attack:
                 self._adapt_threshold(adapted_threshold(probe.sparsest, b), probe.sparsest, rows)
             self._absorb(probe.snapped.select(counts >= s.threshold))
             if self._looks_dense(dense) and rows >= DIAGNOSABLE_RATIO * b:
-                raise NoSparsityError(
-                    no_sparsity_message(b, rows, s.options.sparsity, self.calls, s.split.numerical_rank)
-                )
+                raise NoSparsityError(self._no_sparsity_message(probed=True))
             return
         if exhausted and self._looks_dense(True):
-            raise NoSparsityError(
-                no_sparsity_message(
-                    b, rows, s.options.sparsity, self.calls, s.split.numerical_rank, probed=self.probed
-                )
-            )
+            raise NoSparsityError(self._no_sparsity_message(probed=self.probed))
+
+    def _no_sparsity_message(self, probed: bool) -> str:
+        s = self.setup
+        rows = s.problem.sparse_factor.shape[0]
+        rank = s.split.numerical_rank
+        dead = int((~s.live).sum())  # exact zero rows of dL/dW (output side) for the whole batch
+        return no_sparsity_message(s.b, rows, s.options.sparsity, self.calls, rank, probed, dead)
 
     def _looks_dense(self, evidence: bool) -> bool:
         """Whether the search so far, with ``evidence`` (a probe's, or the patience spent),

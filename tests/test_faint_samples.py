@@ -108,6 +108,25 @@ def test_loss_weights_are_read_at_each_samples_precision():
     assert infer_reduction(weights, loose).multiplicities.tolist() == [1, 2, 1, 1, 1]
 
 
+def test_a_faint_weight_off_its_estimate_costs_the_others_nothing():
+    """A faint sample's weight off by more than its precision estimate (first-order; 2.5e-4
+    against 1e-4 measured on MNIST b = 23): the batch fits no reduction, but the samples known
+    to the tolerance still fit a mean, and only the faint one has no multiplicity."""
+    from spear.core.verdict import reduction_of_tight
+
+    weights = torch.full((6,), 1.0 / 23, dtype=torch.float64)
+    weights[2] *= 1 + 2.5e-4
+    precision = torch.full((6,), 1e-8, dtype=torch.float64)
+    precision[2] = 1e-4
+    assert infer_reduction(weights, precision).reduction is None
+    fit = reduction_of_tight(weights, precision)
+    assert fit is not None and fit.reduction == "mean" and fit.batch_size == 23
+    assert fit.multiplicities.tolist() == [1, 1, 0, 1, 1, 1]
+    assert reduction_of_tight(weights, torch.full((6,), 1e-8, dtype=torch.float64)) is None
+    weights[4] *= 1.01  # a tight sample off too: nothing fits
+    assert reduction_of_tight(weights, precision).reduction is None
+
+
 def test_a_certifier_without_the_opt_in_keeps_its_own_tolerance(faint_client):
     """A user's certifier is called as before (two arguments) and its tolerance stands: the
     faint samples, known only to ~1e-7, are then not certified, and nothing else changes."""

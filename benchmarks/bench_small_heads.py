@@ -14,6 +14,8 @@ layer input within 1e-6 (float64) or 1e-3 (float32) of its largest entry, after 
 
 Default (settings 0-59, both variants: about 8 minutes on 2 cores, run with nothing else):
     python benchmarks/bench_small_heads.py
+The second run without only the columns that patterns pin (``pin_columns``), not the search:
+    python benchmarks/bench_small_heads.py --without pinning --out benchmarks/results/small_heads_pinning.json
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ import torch
 
 import spear
 from common import machine, relative_error, run_settings, write_json
-from spear.core.proposers import MaskedSubspaceProposer
+from spear.core.proposers import MaskedSubspaceProposer, masked_subspace
 from spear.data import load_dataset
 from spear.errors import InputError
 from spear.fl import (
@@ -108,7 +110,18 @@ def attack(view, layer: str, inputs: torch.Tensor, cfg: dict, budget: float) -> 
     }
 
 
-def one(index: int, ablate: bool, budget: float) -> dict | None:
+def _unpinned(U, B, masks, zero_rtol):
+    """``pin_columns`` that pins nothing (the ablation ``--without pinning``)."""
+    columns, ok = PIN_COLUMNS(U, B, masks, zero_rtol)
+    return columns, torch.zeros_like(ok)
+
+
+PIN_COLUMNS = masked_subspace.pin_columns
+
+
+def one(index: int, ablate: bool, budget: float, without: str = "search") -> dict | None:
+    """Setting ``index`` attacked as it is, and (``ablate``) without the head's pattern search
+    (``without="search"``) or without its pattern-pinned columns (``"pinning"``)."""
     cfg = setting(index)
     data = _dataset(cfg["dataset"])
     if data is None:
@@ -117,12 +130,16 @@ def one(index: int, ablate: bool, budget: float) -> dict | None:
     cfg["layer"] = layer
     cfg["with_search"] = attack(view, layer, inputs, cfg, budget)
     if ablate:
-        original = MaskedSubspaceProposer.has_work
-        MaskedSubspaceProposer.has_work = lambda self, ctx: False  # only auto's small-b turn uses it
+        owner, name = (
+            (MaskedSubspaceProposer, "has_work") if without == "search" else (masked_subspace, "pin_columns")
+        )
+        original = getattr(owner, name)
+        # only auto's small-b turn calls has_work; propose looks pin_columns up in its module
+        setattr(owner, name, (lambda self, ctx: False) if without == "search" else _unpinned)
         try:
-            cfg["without_search"] = attack(view, layer, inputs, cfg, budget)
+            cfg[f"without_{without}"] = attack(view, layer, inputs, cfg, budget)
         finally:
-            MaskedSubspaceProposer.has_work = original
+            setattr(owner, name, original)
     return cfg
 
 
@@ -151,11 +168,18 @@ def main() -> None:
     parser.add_argument(
         "--no-ablate", dest="ablate", action="store_false", help="skip the run without the search"
     )
+    parser.add_argument(
+        "--without",
+        choices=["search", "pinning"],
+        default="search",
+        help="what the second run goes without: the head's pattern search, or only its "
+        "pattern-pinned columns (README: 'Columns pinned by their pattern')",
+    )
     parser.add_argument("--out", default="benchmarks/results/small_heads.json")
     args = parser.parse_args()
     records = []
     for index in range(args.first, args.first + args.settings):
-        record = one(index, args.ablate, args.budget)
+        record = one(index, args.ablate, args.budget, args.without)
         if record is None:
             continue
         records.append(record)
@@ -165,7 +189,7 @@ def main() -> None:
         "benchmark": "small_heads",
         "settings": run_settings(args),
         "machine": machine(),
-        "summary": {v: summary(records, v) for v in ("with_search", "without_search")},
+        "summary": {v: summary(records, v) for v in ("with_search", f"without_{args.without}")},
         "records": records,
     }
     print(payload["summary"])

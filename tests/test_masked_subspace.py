@@ -390,3 +390,77 @@ def test_small_batches_below_a_narrow_head_get_its_pattern_search(monkeypatch):
     assert rec.verified and rec.stats.proposals < 100_000
     assert_exact(rec.inputs.double(), truth.inputs.double(), rtol=1e-5)
     assert not without.verified and without.stats.proposals == 100_000
+
+
+def _head_columns(m=60, k=4, b=6, seed=0, flat_row=None):
+    """Columns ``D_j B g_j`` of b samples below a k-wide known layer (patterns 80% active), and
+    an orthonormal basis of their span (what range(L) is). ``flat_row``: make ``B g_0`` vanish
+    there."""
+    g = torch.Generator().manual_seed(seed)
+    B = torch.randn(m, k, generator=g, dtype=torch.float64)
+    masks = torch.rand(b, m, generator=g) < 0.8
+    deltas = torch.randn(b, k, generator=g, dtype=torch.float64)
+    if flat_row is not None:
+        d = deltas[0]
+        B[flat_row] -= (B[flat_row] @ d) / (d @ d) * d
+    columns = masks * (deltas @ B.T)
+    return B, masks, columns, torch.linalg.qr(columns.T)[0]
+
+
+def test_a_pattern_pins_its_column_and_nothing_else_passes():
+    """pin_columns: a sample's pattern gives its column exactly; a pattern with one row wrong,
+    a pattern two samples share (two-dimensional kernel) and a mixture's pattern do not pin."""
+    from spear.core.proposers.masked_subspace import pin_columns
+
+    B, masks, columns, U = _head_columns()
+    pinned, ok = pin_columns(U, B, masks, 1e-9)
+    assert bool(ok.all())
+    cos = torch.nn.functional.cosine_similarity(pinned, columns, dim=1).abs()
+    assert float((1 - cos).max()) < 1e-13
+    wrong = masks[0].clone()
+    wrong[masks[0].nonzero()[5, 0]] = False  # an active row called inactive
+    mixed = masks[1] | masks[2]  # the pattern of a mixture of samples 1 and 2
+    _, bad = pin_columns(U, B, torch.stack([wrong, mixed]), 1e-9)
+    assert bad.tolist() == [False, False]
+    twins = columns.clone()
+    other = torch.randn(B.shape[1], generator=torch.Generator().manual_seed(1), dtype=B.dtype)
+    twins[5] = masks[4] * (other @ B.T)  # samples 4 and 5 share a pattern
+    _, shared = pin_columns(torch.linalg.qr(twins.T)[0], B, torch.stack([masks[4], masks[3]]), 1e-9)
+    assert shared.tolist() == [False, True]
+
+
+def test_an_active_row_that_vanishes_is_solved_again_as_inactive():
+    """A row the search calls active where ``W'^T delta`` vanishes (the ratio cannot tell): the
+    column is zero there, and the pattern with that row inactive pins it."""
+    from spear.core.proposers.masked_subspace import pin_columns
+
+    row = int((~_head_columns(seed=2)[1][0]).nonzero()[0, 0])  # inactive for sample 0
+    B, masks, columns, U = _head_columns(seed=2, flat_row=row)
+    called_active = masks[0].clone()
+    called_active[row] = True
+    pinned, ok = pin_columns(U, B, called_active[None], 1e-9)
+    assert bool(ok[0])
+    cos = torch.nn.functional.cosine_similarity(pinned[0], columns[0], dim=0).abs()
+    assert float(1 - cos) < 1e-13
+
+
+def test_columns_with_fewer_zeros_than_a_kernel_needs_are_pinned_by_their_pattern(monkeypatch):
+    """The last hidden layer of a 4 x 128 MLP trained 300 steps on raw digits, float32, b = 11:
+    seven of the eleven columns have 5-9 zeros among 91 live neurons, fewer than the b - 1 = 10
+    any zero set needs, so no zero-set method can return them. The head's converged patterns
+    pin them (pin_columns); without that the budget runs out."""
+    from spear.core.proposers import masked_subspace
+    from spear.fl import fully_connected, pretrain
+
+    dataset = load_dataset("digits")
+    model = fully_connected(dataset.features, 128, 4, dataset.classes, seed=7260, dtype=torch.float32)
+    pretrain(model, dataset, 300, seed=7260)
+    view, truth = simulate_fedsgd(model, dataset, 11, seed=7260, normalize=False)
+    inputs = layer_inputs(view.model, "4", truth.inputs)
+    rec = spear.attack_layer(view.model, "4", view.gradients, seed=7260, max_proposals=50_000)
+    assert rec.verified and rec.stats.proposals < 50_000
+    assert_exact(rec.inputs.double(), inputs.double(), rtol=1e-4)
+    pin = masked_subspace.pin_columns
+    monkeypatch.setattr(masked_subspace, "pin_columns", lambda *a: (pin(*a)[0], torch.zeros_like(pin(*a)[1])))
+    without = spear.attack_layer(view.model, "4", view.gradients, seed=7260, max_proposals=50_000)
+    assert not without.verified and without.stats.proposals == 50_000

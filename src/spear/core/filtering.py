@@ -349,6 +349,37 @@ def snap_and_filter(
     )
 
 
+def take_pinned(
+    L: torch.Tensor,
+    directions: torch.Tensor,
+    zero_rtol: float,
+    known_masks: torch.Tensor | None = None,
+    zero_floor: float | None = None,
+) -> SnapResult:
+    """Directions (k, b) that other evidence than their zero set pins (``ProposalBatch.pinned``),
+    as snapped ones: no kernel step and no sparsity threshold. Their zero masks are counted as
+    usual (the pool's duplicate check and the selection read them); they are robust (pinned),
+    and those whose zero set the pool already knows are left out."""
+    b, rows = L.shape[1], L.shape[0]
+    q = directions.to(L.dtype)
+    q = q[torch.isfinite(q).all(dim=1)]
+    q = q / q.norm(dim=1, keepdim=True).clamp_min(torch.finfo(L.dtype).tiny)
+    values = q @ L.T
+    masks = zero_mask(values, zero_rtol)
+    fresh = first_occurrences(masks, known_masks)
+    q, masks, values = q[fresh], masks[fresh], values[fresh]
+    certain = zero_mask(values, zero_rtol if zero_floor is None else zero_floor)
+    if q.shape[0] == 0:
+        q, masks, certain = L.new_zeros(0, b), masks.new_zeros(0, rows), masks.new_zeros(0, rows)
+    return SnapResult(
+        canonical_sign(q),
+        masks,
+        masks.sum(dim=1),
+        torch.ones(q.shape[0], dtype=torch.bool, device=masks.device),
+        certain_zero=certain,
+    )
+
+
 def sparsest_first(indices: torch.Tensor, zero_counts: torch.Tensor) -> torch.Tensor:
     """``indices`` ordered by their ``zero_counts``, most zeros first (ties keep their order):
     among mixtures and true columns, the true ones are the sparse ones."""

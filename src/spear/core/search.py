@@ -16,6 +16,7 @@ from spear.core.filtering import (
     canonical_sign,
     kernel_of_rows,
     snap_and_filter,
+    take_pinned,
 )
 from spear.core.peeling import PeeledSamples, residual_problem
 from spear.core.proposers import DirectionProposer, ProposalBatch, ProposalContext
@@ -102,6 +103,12 @@ class ResidualSearch:
             rounding=self.ctx.rounding,
             deadline=self.ctx.deadline,
         )
+        if batch.pinned is not None and batch.pinned.shape[0] and self.basis is None:
+            # pinned on the whole layer only: a residual problem built from float32 peeled
+            # samples holds the others' columns only to ~1e-3 (see _reanchored)
+            known = torch.cat([known, snapped.zero_masks])
+            pinned = take_pinned(self.ctx.L, batch.pinned, tol.zero_rtol, known, tol.zero_floor)
+            snapped = SnapResult.concat([snapped, pinned])
         if self.basis is None:
             return snapped
         lifted = lift(snapped, self.basis)

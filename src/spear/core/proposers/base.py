@@ -82,6 +82,12 @@ class ProposalBatch:
             layer above pins a converged pattern). The sparsity threshold, which guards against
             mixtures passing on chance zeros, then asks only for the b - 1 rows of a kernel: a
             true column sparser than the threshold (Section 4.1 assumes 50% zeros) still counts.
+        pinned: optional (p, b) exact directions that no zero set pins but the proposer's other
+            evidence does (:mod:`~spear.core.proposers.masked_subspace`: a converged pattern of
+            the known layer above with fewer than b - 1 zero rows, whose ``range(D W'^T)`` meets
+            ``range(L)`` in one dimension only). Snapping takes them as they are, without a
+            kernel step or the sparsity threshold; like any candidate they enter the batch only
+            through the model's or the layers' certificates.
         below_threshold: the most zeros (of ``L q``'s rows) of a direction the proposer found
             sparse beyond chance but dropped for the sparsity threshold alone, before snapping
             (0: none). The attack reads it as it reads snapping's ``dropped_sparsest``: evidence
@@ -93,6 +99,7 @@ class ProposalBatch:
     zero_hint: torch.Tensor | None = None
     exhausted: bool = False
     confirmed: torch.Tensor | None = None
+    pinned: torch.Tensor | None = None
     below_threshold: int = 0
 
 

@@ -79,6 +79,12 @@ RATIO_FLOOR = 1e4 * torch.finfo(torch.float64).eps
 #: a converged pattern's zero set leaves out the rows whose own cost if wrong, ``h_i^2 P_ii``, is
 #: below this times ``done ||y||^2``: such a row could be wrong without the ratio showing it
 FIRM = 100.0
+#: a pattern pins its column (:func:`pin_columns`) when the smallest singular value of
+#: ``[U, -D W'^T]`` is at most PIN_RTOL times the zero tolerance (relative to the largest; true
+#: columns: ~5e-8 in float32, against 1e-6) and the second one at least PIN_GAP times it (no
+#: second column of that form near range(L); true columns: 1.5e-2 to 4e-2 at m = 91, b = 11)
+PIN_RTOL = 1e-2
+PIN_GAP = 10.0
 
 
 def applicable(ctx: ProposalContext) -> bool:
@@ -292,6 +298,51 @@ def _generalized_eigh(A: torch.Tensor, M: torch.Tensor) -> tuple[torch.Tensor, t
     sym = torch.linalg.solve_triangular(chol, left.transpose(1, 2), upper=False)
     values, vectors = torch.linalg.eigh(sym)
     return values, torch.linalg.solve_triangular(chol.transpose(1, 2), vectors, upper=True)
+
+
+def pin_columns(
+    U: torch.Tensor, B: torch.Tensor, masks: torch.Tensor, zero_rtol: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The columns (S, m) that patterns (S, m) pin, and which do (S,).
+
+    A column of pattern D is ``D W'^T delta`` in range(L) = range(U): ``(c, delta)`` spans the
+    kernel of ``[U, -D B]`` (m x (b + k), ``B = W'^T`` scaled to unit norm), solved by one SVD
+    per pattern, exact to the gradient's rounding (the search's ratio is not: it cancels
+    ``||y||^2 - ||U^T y||^2``). The pattern pins it when that kernel is one-dimensional (the
+    smallest singular value below ``PIN_RTOL * zero_rtol`` of the largest, the second above
+    ``PIN_GAP * zero_rtol``) and the column's zero set is exactly D's inactive rows. Then no
+    zero set is needed: a mixture of samples whose patterns differ is not of the form
+    ``D W'^T delta`` (each region where a different set of them is active would need its own
+    delta), so only a sample's column is. Samples sharing a whole pattern leave a kernel of two
+    dimensions and are refused."""
+    columns, ok, zeros = _pin(U, B, masks, zero_rtol)
+    # an active row whose value is below the zero tolerance (``W'^T delta`` nearly vanishes
+    # there) cannot be told from an inactive one: solved again with it inactive
+    again = ~ok & (zeros | masks).all(dim=1) & (zeros & masks).any(dim=1)
+    if bool(again.any()):
+        columns[again], ok[again], _ = _pin(U, B, ~zeros[again], zero_rtol)
+    return columns, ok
+
+
+def _pin(
+    U: torch.Tensor, B: torch.Tensor, masks: torch.Tensor, zero_rtol: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One solve of :func:`pin_columns`; also the columns' zero masks (S, m)."""
+    S, m = masks.shape
+    if S == 0:
+        none = torch.zeros(0, dtype=torch.bool, device=masks.device)
+        return U.new_zeros(0, m), none, masks
+    b = U.shape[1]
+    scaled = B / torch.linalg.matrix_norm(B, ord=2)
+    on = masks.to(U.dtype)[:, :, None]
+    system = torch.cat([U.expand(S, m, b), -on * scaled], dim=2)  # (S, m, b + k)
+    _, sv, Vh = torch.linalg.svd(system, full_matrices=False)
+    columns = (Vh[:, -1, :b] @ U.T).to(U.dtype)  # (S, m): U c, the kernel's column part
+    alone = sv[:, -1] <= PIN_RTOL * zero_rtol * sv[:, 0]
+    clear = sv[:, -2] >= PIN_GAP * zero_rtol * sv[:, 0]
+    zeros = columns.abs() <= zero_rtol * columns.abs().amax(dim=1, keepdim=True)
+    exact = (zeros == ~masks).all(dim=1)
+    return columns, alone & clear & exact, zeros
 
 
 def row_guesses(ctx: ProposalContext) -> torch.Tensor:
@@ -557,6 +608,7 @@ class MaskedSubspaceProposer(DirectionProposer):
         count = min(self.guesses_per_call, self.queue.shape[0], max(1, max_proposals))
         if ctx.deadline.passed():
             count = 0
+        pinned = None
         guesses, self.queue = self.queue[:count], self.queue[count:]
         if count:
             done = max(CONVERGED * ctx.zero_rtol**2, RATIO_FLOOR)
@@ -564,18 +616,35 @@ class MaskedSubspaceProposer(DirectionProposer):
             h = delta @ self.B.T
             y2 = ((masks * h) ** 2).sum(dim=1, keepdim=True)
             firm = h**2 * self.search.P_diag > FIRM * done * y2
-            converged = (~masks & firm)[ratio < done]
+            settled = ratio < done
+            converged = (~masks & firm)[settled]
             hints = torch.cat([hints, converged])
             # the layer above pins a converged pattern: its zero count need not pass the threshold
             confirmed = torch.cat([confirmed, torch.ones_like(converged[:, 0])])
+            # too few zero rows for a kernel: the pattern itself may pin the column
+            pinned = self._pinned(ctx, masks[settled][converged.sum(dim=1) < b - 1])
         enough = hints.sum(dim=1) >= b - 1
         hints, confirmed = hints[enough], confirmed[enough]
         directions = torch.zeros(hints.shape[0], b, dtype=ctx.L.dtype, device=ctx.L.device)
         # a call that had nothing to search or emit: nothing is left (auto moves on instead)
         spent = not count and hints.shape[0] == 0 and not ctx.deadline.passed()
         return ProposalBatch(
-            directions, n_drawn=max(1, count), zero_hint=hints, exhausted=spent, confirmed=confirmed
+            directions,
+            n_drawn=max(1, count),
+            zero_hint=hints,
+            exhausted=spent,
+            confirmed=confirmed,
+            pinned=pinned,
         )
+
+    def _pinned(self, ctx: ProposalContext, patterns: torch.Tensor) -> torch.Tensor:
+        """Directions (p, b) of the columns that converged ``patterns`` pin (:func:`pin_columns`),
+        in ``ctx.L``'s coordinates (``L q`` is the column)."""
+        patterns = torch.unique(patterns, dim=0)
+        columns, ok = pin_columns(self.U, self.B, patterns, ctx.zero_rtol)
+        if not bool(ok.any()):
+            return ctx.L.new_zeros(0, ctx.batch_size)
+        return torch.linalg.lstsq(ctx.L, columns[ok].T).solution.T
 
 
 __all__ = ["MaskedSubspaceProposer", "PatternSearch", "applicable", "explain_away"]

@@ -425,8 +425,36 @@ def test_a_pattern_pins_its_column_and_nothing_else_passes():
     twins = columns.clone()
     other = torch.randn(B.shape[1], generator=torch.Generator().manual_seed(1), dtype=B.dtype)
     twins[5] = masks[4] * (other @ B.T)  # samples 4 and 5 share a pattern
-    _, shared = pin_columns(torch.linalg.qr(twins.T)[0], B, torch.stack([masks[4], masks[3]]), 1e-9)
+    U_twins = torch.linalg.qr(twins.T)[0]
+    _, shared = pin_columns(U_twins, B, torch.stack([masks[4], masks[3]]), 1e-9)
     assert shared.tolist() == [False, True]
+    # the twins' mixture that vanishes on a row they share is (D minus that row) W'^T delta:
+    # refused, the row being essential to its kernel (found by review: 7 wrong columns pinned
+    # on a digits MLP where two samples of one class share their pattern)
+    row = masks[4].nonzero()[3, 0]
+    less = masks[4].clone()
+    less[row] = False
+    for zero_rtol in (1e-9, 1e-4):
+        _, pinned = pin_columns(U_twins, B, less[None], zero_rtol)
+        assert not bool(pinned[0])
+
+
+def test_a_near_duplicate_active_on_one_more_row_leaves_the_column_pinned():
+    """Sample 1's pattern is sample 0's with one more row on: that row is essential to sample
+    0's kernel (dropping it lets sample 1's column in), but on the larger pattern only sample
+    1's column fits, so sample 0's column is no mixture and stays pinned."""
+    from spear.core.proposers.masked_subspace import pin_columns
+
+    B, masks, columns, _ = _head_columns(seed=3)
+    row = (~masks[0]).nonzero()[0, 0]
+    masks[1] = masks[0]
+    masks[1, row] = True
+    other = torch.randn(B.shape[1], generator=torch.Generator().manual_seed(4), dtype=B.dtype)
+    columns[1] = masks[1] * (other @ B.T)
+    pinned, ok = pin_columns(torch.linalg.qr(columns.T)[0], B, masks[:2], 1e-9)
+    assert ok.tolist() == [True, True]
+    cos = torch.nn.functional.cosine_similarity(pinned, columns[:2], dim=1).abs()
+    assert float((1 - cos).max()) < 1e-12
 
 
 def test_an_active_row_that_vanishes_is_solved_again_as_inactive():

@@ -85,6 +85,8 @@ FIRM = 100.0
 #: second column of that form near range(L); true columns: 1.5e-2 to 4e-2 at m = 91, b = 11)
 PIN_RTOL = 1e-2
 PIN_GAP = 10.0
+#: a pinned column's zero rows that its kernel cannot do without, at most (:func:`_shared_rows`)
+MAX_ESSENTIAL = 4
 
 
 def applicable(ctx: ProposalContext) -> bool:
@@ -314,7 +316,8 @@ def pin_columns(
     zero set is needed: a mixture of samples whose patterns differ is not of the form
     ``D W'^T delta`` (each region where a different set of them is active would need its own
     delta), so only a sample's column is. Samples sharing a whole pattern leave a kernel of two
-    dimensions and are refused."""
+    dimensions and are refused, and so are their mixtures that vanish on rows they share
+    (:func:`_shared_rows`)."""
     columns, ok, zeros = _pin(U, B, masks, zero_rtol)
     # an active row whose value is below the zero tolerance (``W'^T delta`` nearly vanishes
     # there) cannot be told from an inactive one: solved again with it inactive
@@ -336,13 +339,44 @@ def _pin(
     scaled = B / torch.linalg.matrix_norm(B, ord=2)
     on = masks.to(U.dtype)[:, :, None]
     system = torch.cat([U.expand(S, m, b), -on * scaled], dim=2)  # (S, m, b + k)
-    _, sv, Vh = torch.linalg.svd(system, full_matrices=False)
+    left, sv, Vh = torch.linalg.svd(system, full_matrices=False)
     columns = (Vh[:, -1, :b] @ U.T).to(U.dtype)  # (S, m): U c, the kernel's column part
     alone = sv[:, -1] <= PIN_RTOL * zero_rtol * sv[:, 0]
     clear = sv[:, -2] >= PIN_GAP * zero_rtol * sv[:, 0]
     zeros = columns.abs() <= zero_rtol * columns.abs().amax(dim=1, keepdim=True)
     exact = (zeros == ~masks).all(dim=1)
-    return columns, alone & clear & exact, zeros
+    # a zero row the kernel cannot do without: without it, the kernel would be two-dimensional
+    # (its leverage in the range of the other singular vectors is 1)
+    leverage = left[:, :, :-1].square().sum(dim=2)
+    essential = zeros & (1.0 - leverage < PIN_GAP * zero_rtol)
+    ok = alone & clear & exact
+    ok[ok.clone()] &= ~_shared_rows(U, scaled, masks[ok], essential[ok], zero_rtol)
+    return columns, ok, zeros
+
+
+def _shared_rows(
+    U: torch.Tensor, scaled: torch.Tensor, masks: torch.Tensor, essential: torch.Tensor, zero_rtol: float
+) -> torch.Tensor:
+    """(S,) whether a pattern's column may be a mixture of samples that share the pattern with
+    one of its ``essential`` zero rows (S, m) switched on. Such samples leave a two-dimensional
+    kernel on that pattern, and their combination that vanishes on the shared row is of the
+    form ``(D minus that row) W'^T delta``: pinned by D, but no sample's. A near duplicate
+    active on one more row makes the row essential too, with a one-dimensional kernel (only its
+    own column) on the larger pattern: that column is pinned. More than ``MAX_ESSENTIAL``
+    essential rows: refused."""
+    count = essential.sum(dim=1)
+    refused = count > MAX_ESSENTIAL
+    pattern, row = (essential & ~refused[:, None]).nonzero(as_tuple=True)
+    if pattern.numel() == 0:
+        return refused
+    larger = masks[pattern].clone()
+    larger[torch.arange(row.numel(), device=row.device), row] = True
+    S, m, b = larger.shape[0], U.shape[0], U.shape[1]
+    system = torch.cat([U.expand(S, m, b), -larger.to(U.dtype)[:, :, None] * scaled], dim=2)
+    sv = torch.linalg.svdvals(system)
+    two = sv[:, -2] < PIN_GAP * zero_rtol * sv[:, 0]
+    refused[pattern[two]] = True
+    return refused
 
 
 def row_guesses(ctx: ProposalContext) -> torch.Tensor:

@@ -832,3 +832,29 @@ def test_trained_networks_adapt_the_sparsity_threshold(b, width, depth, steps):
     assert exact(rec.inputs, truth.inputs) and labels_exact(rec, truth.inputs, truth.labels)
     assert any("threshold was lowered" in note for note in rec.notes)
     assert rec.stats.threshold_count < 0.3 * width
+
+
+def test_near_duplicates_merged_within_the_precision_are_not_certified_samples():
+    """float32, the last hidden layer of a 3 x 128 MLP trained 300 steps on raw digits, b = 13
+    with three same-class pairs of near duplicates (inputs ~2e-3 apart): each pair comes back as
+    one column of weight 2/B whose input is the pair's mean, 1e-3 off either twin. Peeling
+    certified those three as samples, with a precision of 3e-6 (the mean's); they are no
+    samples (found by an adversarial review)."""
+    from spear.data import load_dataset
+    from spear.fl import fully_connected, pretrain, simulate_fedsgd
+    from spear.fl.client import fedsgd_gradients, layer_inputs
+
+    digits = load_dataset("digits")
+    model = fully_connected(digits.features, 128, 3, digits.classes, seed=466, dtype=torch.float32)
+    pretrain(model, digits, 300, seed=466)
+    _, truth = simulate_fedsgd(model, digits, 13, seed=466, normalize=False)
+    x, y = truth.inputs.reshape(13, -1).clone(), truth.labels.clone()
+    g = torch.Generator().manual_seed(466)
+    for j in (0, 2, 4):
+        x[j + 1] = x[j] + 1.6e-3 * torch.randn(x.shape[1], generator=g) * x[j].abs().max()
+        y[j + 1] = y[j]
+    rec = spear.attack_layer(model, "2", fedsgd_gradients(model, x, y), seed=466, max_proposals=100_000)
+    assert not rec.verified and rec.multiplicities is not None
+    assert sorted(rec.multiplicities.tolist()).count(2) == 3 and "only their mean" in rec.message
+    assert rec.certified_inputs is not None and rec.certified_inputs.shape[0] == 7
+    assert_certified_rows_true(rec, layer_inputs(model, "2", x).double(), rtol=1e-5)

@@ -1346,12 +1346,38 @@ def _certified_samples(
             labels = torch.cat([labels, verdict.certificates.labels.to(extra.device)[extra].to(labels)])
             weights = torch.cat([weights, verdict.certificates.weights.to(extra.device)[extra].to(weights)])
             precision = torch.cat([precision, batch_precision[extra.cpu()]])
+    if setup.options.clients == 1:  # one client: every single sample has the same weight
+        single = ~stands_for_several(weights)
+        inputs, labels = inputs[single.to(inputs.device)], labels[single.to(labels.device)]
+        weights, precision = weights[single.to(weights.device)], precision[single.to(precision.device)]
     if inputs.shape[0] == 0:
         return None, None, None, None
     precision = precision.to(inputs.device)
     if not bool((labels >= 0).any()):
         return inputs, None, None, precision
     return inputs, labels, weights, precision
+
+
+#: a loss weight within this (relative) of k >= 2 times the smallest stands for k samples
+MULTIPLE_RTOL = 0.05
+
+
+def stands_for_several(weights: torch.Tensor) -> torch.Tensor:
+    """(f,) which certified samples carry an integer multiple k >= 2 of the smallest loss weight
+    (NaN: unknown, kept). With one client every sample's weight is 1/B (a mean) or 1 (a sum),
+    so such a column stands for k samples whose gradients coincide at the data's precision:
+    near duplicates (float32 digits, b = 13, three same-class pairs 2e-3 apart: each pair came
+    back as one sample of weight 2/B, its input the pair's mean, 1e-3 off either twin, and was
+    certified with a precision of 3e-6, the mean's). The layers certify that column, but it is
+    no sample, and only the mean is determined: it stays in ``inputs``, not among the certified."""
+    w = weights.detach().double().cpu()
+    known = torch.isfinite(w) & (w > 0)
+    several = torch.zeros(w.shape, dtype=torch.bool)
+    if int(known.sum()) < 2:
+        return several
+    ratio = w / w[known].min()
+    k = ratio.round()
+    return known & (k >= 2) & ((ratio - k).abs() <= MULTIPLE_RTOL * k)
 
 
 def _as_assembled(

@@ -858,3 +858,11 @@ def test_near_duplicates_merged_within_the_precision_are_not_certified_samples()
     assert sorted(rec.multiplicities.tolist()).count(2) == 3 and "only their mean" in rec.message
     assert rec.certified_inputs is not None and rec.certified_inputs.shape[0] == 7
     assert_certified_rows_true(rec, layer_inputs(model, "2", x).double(), rtol=1e-5)
+
+
+def test_a_faint_samples_low_weight_does_not_make_the_others_look_merged():
+    from spear.core.reconstruct import stands_for_several
+
+    weights = torch.tensor([1.0, 1.0, 2.0, 1.0, 0.5, float("nan"), 1.0]) / 13
+    assert stands_for_several(weights).tolist() == [False, False, True, False, False, False, False]
+    assert not bool(stands_for_several(torch.tensor([2.0, float("nan")])).any())  # one known: no reference

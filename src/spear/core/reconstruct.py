@@ -1358,13 +1358,15 @@ def _certified_samples(
     return inputs, labels, weights, precision
 
 
-#: a loss weight within this (relative) of k >= 2 times the smallest stands for k samples
+#: a loss weight within this (relative) of k >= 2 times the median stands for k samples
 MULTIPLE_RTOL = 0.05
 
 
 def stands_for_several(weights: torch.Tensor) -> torch.Tensor:
-    """(f,) which certified samples carry an integer multiple k >= 2 of the smallest loss weight
-    (NaN: unknown, kept). With one client every sample's weight is 1/B (a mean) or 1 (a sum),
+    """(f,) which certified samples carry an integer multiple k >= 2 of the median loss weight
+    (NaN: unknown, kept). The median, not the smallest: one faint sample's imprecise weight
+    must not make every other sample look merged. With one client every sample's weight is 1/B
+    (a mean) or 1 (a sum),
     so such a column stands for k samples whose gradients coincide at the data's precision:
     near duplicates (float32 digits, b = 13, three same-class pairs 2e-3 apart: each pair came
     back as one sample of weight 2/B, its input the pair's mean, 1e-3 off either twin, and was
@@ -1375,7 +1377,7 @@ def stands_for_several(weights: torch.Tensor) -> torch.Tensor:
     several = torch.zeros(w.shape, dtype=torch.bool)
     if int(known.sum()) < 2:
         return several
-    ratio = w / w[known].min()
+    ratio = w / w[known].median()
     k = ratio.round()
     return known & (k >= 2) & ((ratio - k).abs() <= MULTIPLE_RTOL * k)
 

@@ -1366,12 +1366,12 @@ def stands_for_several(weights: torch.Tensor) -> torch.Tensor:
     """(f,) which certified samples carry an integer multiple k >= 2 of the median loss weight
     (NaN: unknown, kept). The median, not the smallest: one faint sample's imprecise weight
     must not make every other sample look merged. With one client every sample's weight is 1/B
-    (a mean) or 1 (a sum),
-    so such a column stands for k samples whose gradients coincide at the data's precision:
-    near duplicates (float32 digits, b = 13, three same-class pairs 2e-3 apart: each pair came
-    back as one sample of weight 2/B, its input the pair's mean, 1e-3 off either twin, and was
-    certified with a precision of 3e-6, the mean's). The layers certify that column, but it is
-    no sample, and only the mean is determined: it stays in ``inputs``, not among the certified."""
+    (a mean) or 1 (a sum), so such a column stands for k samples whose gradients coincide at
+    the data's precision: near duplicates (float32 digits, b = 13, three same-class pairs 2e-3
+    apart: each pair came back as one sample of weight 2/B, its input the pair's mean, 1e-3 off
+    either twin, and was certified with a precision of 3e-6, the mean's). The layers certify
+    that column, but it is no sample, and only the mean is determined: it stays in ``inputs``,
+    not among the certified."""
     w = weights.detach().double().cpu()
     known = torch.isfinite(w) & (w > 0)
     several = torch.zeros(w.shape, dtype=torch.bool)

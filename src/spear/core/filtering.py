@@ -360,7 +360,6 @@ def take_pinned(
     as snapped ones: no kernel step and no sparsity threshold. Their zero masks are counted as
     usual (the pool's duplicate check and the selection read them); they are robust (pinned),
     and those whose zero set the pool already knows are left out."""
-    b, rows = L.shape[1], L.shape[0]
     q = directions.to(L.dtype)
     q = q[torch.isfinite(q).all(dim=1)]
     q = q / q.norm(dim=1, keepdim=True).clamp_min(torch.finfo(L.dtype).tiny)
@@ -369,8 +368,6 @@ def take_pinned(
     fresh = first_occurrences(masks, known_masks)
     q, masks, values = q[fresh], masks[fresh], values[fresh]
     certain = zero_mask(values, zero_rtol if zero_floor is None else zero_floor)
-    if q.shape[0] == 0:
-        q, masks, certain = L.new_zeros(0, b), masks.new_zeros(0, rows), masks.new_zeros(0, rows)
     return SnapResult(
         canonical_sign(q),
         masks,

@@ -556,7 +556,7 @@ def _judge_by_model(
     verdict.reduction = reduction
     unfit = reduction.reduction is None and clients == 1
     partial = reduction_of_tight(cert.weights, precision) if unfit else None
-    if reduction.reduction is None and partial is not None and partial.reduction is not None:
+    if partial is not None and partial.reduction is not None:
         verdict.partial_reduction = partial
         off = (partial.multiplicities == 0).nonzero()[:, 0].tolist()  # type: ignore[union-attr]
         verdict.problems.append(

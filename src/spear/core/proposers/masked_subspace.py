@@ -320,28 +320,33 @@ def pin_columns(
     delta), so only a sample's column is. Samples sharing a whole pattern leave a kernel of two
     dimensions and are refused, and so are their mixtures that vanish on rows they share
     (:func:`_shared_rows`)."""
-    columns, ok, zeros = _pin(U, B, masks, zero_rtol)
+    scaled = B / torch.linalg.matrix_norm(B, ord=2)
+    columns, ok, zeros = _pin(U, scaled, masks, zero_rtol)
     # an active row whose value is below the zero tolerance (``W'^T delta`` nearly vanishes
     # there) cannot be told from an inactive one: solved again with it inactive
     again = ~ok & (zeros | masks).all(dim=1) & (zeros & masks).any(dim=1)
     if bool(again.any()):
-        columns[again], ok[again], _ = _pin(U, B, ~zeros[again], zero_rtol)
+        columns[again], ok[again], _ = _pin(U, scaled, ~zeros[again], zero_rtol)
     return columns, ok
 
 
+def _pattern_systems(U: torch.Tensor, scaled: torch.Tensor, masks: torch.Tensor) -> torch.Tensor:
+    """``[U, -D B]`` (S, m, b + k) for patterns D (S, m)."""
+    S, (m, b) = masks.shape[0], U.shape
+    return torch.cat([U.expand(S, m, b), -masks.to(U.dtype)[:, :, None] * scaled], dim=2)
+
+
 def _pin(
-    U: torch.Tensor, B: torch.Tensor, masks: torch.Tensor, zero_rtol: float
+    U: torch.Tensor, scaled: torch.Tensor, masks: torch.Tensor, zero_rtol: float
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """One solve of :func:`pin_columns`; also the columns' zero masks (S, m)."""
+    """One solve of :func:`pin_columns` (``scaled``: ``W'^T`` at unit norm); also the columns'
+    zero masks (S, m)."""
     S, m = masks.shape
     if S == 0:
         none = torch.zeros(0, dtype=torch.bool, device=masks.device)
         return U.new_zeros(0, m), none, masks
     b = U.shape[1]
-    scaled = B / torch.linalg.matrix_norm(B, ord=2)
-    on = masks.to(U.dtype)[:, :, None]
-    system = torch.cat([U.expand(S, m, b), -on * scaled], dim=2)  # (S, m, b + k)
-    left, sv, Vh = torch.linalg.svd(system, full_matrices=False)
+    left, sv, Vh = torch.linalg.svd(_pattern_systems(U, scaled, masks), full_matrices=False)
     columns = (Vh[:, -1, :b] @ U.T).to(U.dtype)  # (S, m): U c, the kernel's column part
     alone = sv[:, -1] <= PIN_RTOL * zero_rtol * sv[:, 0]
     clear = sv[:, -2] >= PIN_GAP * zero_rtol * sv[:, 0]
@@ -373,9 +378,7 @@ def _shared_rows(
         return refused
     larger = masks[pattern].clone()
     larger[torch.arange(row.numel(), device=row.device), row] = True
-    S, m, b = larger.shape[0], U.shape[0], U.shape[1]
-    system = torch.cat([U.expand(S, m, b), -larger.to(U.dtype)[:, :, None] * scaled], dim=2)
-    sv = torch.linalg.svdvals(system)
+    sv = torch.linalg.svdvals(_pattern_systems(U, scaled, larger))
     two = sv[:, -2] < PIN_GAP * zero_rtol * sv[:, 0]
     refused[pattern[two]] = True
     return refused

@@ -214,3 +214,40 @@ def test_faint_samples_are_judged_by_their_share_of_the_gradient():
     grad_outputs[:, 2] *= 3e-3  # share 3e-3
     for dtype in (torch.float64, torch.float32, torch.float16):
         assert faint_samples(inputs, grad_outputs, Tolerances.for_dtype(dtype)) == [2]
+
+
+def test_float64_cnn_head_trained_1000_steps_with_faint_and_confident_samples(mnist, monkeypatch):
+    """The realism matrix's CNN head (hidden 500) trained 1000 steps, float64, b = 48: faint
+    samples (s_b / s_1 ~ 1e-9) and samples whose softmax is saturated (a sign-only model
+    certificate). Verified now, and each of three rules is needed:
+    * the rounding floor of a faint column at ``ROUNDING_ENTRY`` = 10 root mean squares of its
+      error (at 3, true zeros up to 5 of them above it kept sigma below 1 to the end of any
+      budget);
+    * the zero sets of the columns known far better than the zero band count although the batch
+      is not resolvable (its faint samples' are not), so the layer pins the sign-only samples;
+    * loss weights read at the data's and the client's rounding (``weight_tolerances``):
+      confident samples' weights come out ~10 times their data precision off 1/b."""
+    import spear.core.filtering as filtering_module
+    import spear.core.verdict as verdict_module
+
+    model = small_cnn(mnist.image_shape, hidden=500, seed=1)
+    pretrain(model, mnist, 1000, seed=1)
+    layer = feature_layer(model)
+    rec, features, labels = attack(model, layer, mnist, 48, seed=1, max_proposals=20_000)
+    assert rec.verified and rec.verified_by == "model"
+    assert any("sign of their gradient" in note for note in rec.notes)
+    assert any("faint gradients" in note for note in rec.notes)
+    assert_exact(rec.inputs, features, rtol=1e-6)
+    assert_labels(rec, features, labels)
+    whole_batch = lambda self, directions: torch.full(  # noqa: E731
+        (directions.shape[0],), self.resolvable, dtype=torch.bool, device=directions.device
+    )
+    for module, name, value in (
+        (filtering_module, "ROUNDING_ENTRY", 3.0),
+        (reconstruct_module.AttackSetup, "trusted_columns", whole_batch),
+        (verdict_module, "weight_tolerances", lambda gate, inputs, labels, sample_rtol, *_: sample_rtol),
+    ):
+        with monkeypatch.context() as patched:
+            patched.setattr(module, name, value)
+            before, _, _ = attack(model, layer, mnist, 48, seed=1, max_proposals=20_000)
+            assert not before.verified, name

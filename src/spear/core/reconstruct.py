@@ -22,7 +22,14 @@ import torch
 from spear import theory
 from spear.core.certificate import SampleCertificates, SampleCertifier
 from spear.core.certified_batch import CERTIFIED_BATCH_NOTE, activation_residuals, certified_batch
-from spear.core.consistency import Tolerances, contradictions, noisy_tolerances, resolvable, rounding_map
+from spear.core.consistency import (
+    RESOLVABLE_SLACK,
+    Tolerances,
+    contradictions,
+    noisy_tolerances,
+    resolvable,
+    rounding_map,
+)
 from spear.core.deadline import Deadline
 from spear.core.diagnosis import (
     DIAGNOSABLE_RATIO,
@@ -69,6 +76,7 @@ from spear.core.verdict import (
     WEIGHT_PRECISION,
     ModelGate,
     Verdict,
+    column_precision,
     data_precision,
     judge,
     model_explains_silent,
@@ -250,6 +258,19 @@ class AttackSetup:
             return None
         factor = self.problem.sparse_factor
         return rounding_map(S, self.b, eps).to(factor)
+
+    def trusted_columns(self, directions: torch.Tensor) -> torch.Tensor:
+        """(k,) whether the zero sets of the columns of these directions (k x b) can be trusted:
+        all where the batch is resolvable; where it is not, for its weakest samples' rounding
+        alone (a rounding map), the columns whose own rounding (:func:`column_precision`) stays
+        within ``RESOLVABLE_SLACK * zero_rtol``; none of a noisier gradient's."""
+        k = directions.shape[0]
+        if self.resolvable:
+            return torch.ones(k, dtype=torch.bool, device=directions.device)
+        if self.rounding is None:
+            return torch.zeros(k, dtype=torch.bool, device=directions.device)
+        precision = column_precision(directions, self.problem.sparse_factor, self.rounding)
+        return precision <= RESOLVABLE_SLACK * self.tol.zero_rtol
 
     def column_zeros(self, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The zero sets of the columns of directions q (k x b): the entries within ``zero_rtol``
@@ -943,11 +964,13 @@ class _Attack:
         certified, index = self._certified_as_assembled(selection, certified, assembled[0])
         known = self._peeled_certificates(selection.Qbar.shape[1], certified, index)
         tol, gate, ok = self.setup.tol, self.gate, self.resolvable
+        trusted = self.setup.trusted_columns(selection.Qbar.T)
         clients = self.setup.options.clients
         rtol = self._sample_rtol(selection.Qbar.T)
+        data_precision = self.setup.sample_precision(selection.Qbar)
         precision = None  # nothing solved on its clearly zero rows: nothing to audit
         if bool(polished.any()):
-            precision = torch.where(polished, self.setup.sample_precision(selection.Qbar), torch.inf)
+            precision = torch.where(polished, data_precision, torch.inf)
         return judge(
             selection,
             factor,
@@ -959,6 +982,8 @@ class _Attack:
             ok,
             known=known,
             pinned=robust,
+            trusted=trusted,
+            data_precision=data_precision,
             clients=clients,
             sample_rtol=rtol,
             precision=precision,

@@ -225,8 +225,8 @@ def test_float64_cnn_head_trained_1000_steps_with_faint_and_confident_samples(mn
       budget);
     * the zero sets of the columns known far better than the zero band count although the batch
       is not resolvable (its faint samples' are not), so the layer pins the sign-only samples;
-    * loss weights read at the data's and the client's rounding (``weight_tolerances``):
-      confident samples' weights come out ~10 times their data precision off 1/b."""
+    * loss weights read at the data's rounding (``weight_tolerances``): confident samples'
+      weights come out ~10 times their data precision off 1/b."""
     import spear.core.filtering as filtering_module
     import spear.core.verdict as verdict_module
 
@@ -245,7 +245,7 @@ def test_float64_cnn_head_trained_1000_steps_with_faint_and_confident_samples(mn
     for module, name, value in (
         (filtering_module, "ROUNDING_ENTRY", 3.0),
         (reconstruct_module.AttackSetup, "trusted_columns", whole_batch),
-        (verdict_module, "weight_tolerances", lambda gate, inputs, labels, sample_rtol, *_: sample_rtol),
+        (verdict_module, "weight_tolerances", lambda sample_rtol, *_: sample_rtol),
     ):
         with monkeypatch.context() as patched:
             patched.setattr(module, name, value)

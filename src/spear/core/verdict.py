@@ -69,32 +69,25 @@ def sample_tolerances(
     return precision.clamp(min=verify_rtol, max=max(verify_rtol, LOOSEST_SAMPLE_RTOL))
 
 
-def weight_tolerances(
-    gate: ModelGate,
-    inputs: torch.Tensor,
-    labels: torch.Tensor,
-    sample_rtol: torch.Tensor,
-    data_precision: torch.Tensor | None = None,
-) -> torch.Tensor:
+def weight_tolerances(sample_rtol: torch.Tensor, data_precision: torch.Tensor | None = None) -> torch.Tensor:
     """(b,) the relative precision at which each sample's loss weight is read: its misfit
-    tolerance ``sample_rtol``, or what the audit accepts (``AUDIT_SLACK`` times the rounding of
-    the data, ``data_precision`` (b,), plus the client's own, the certifier's ``rounding``) where
-    that is coarser, up to ``LOOSEST_SAMPLE_RTOL``.
+    tolerance ``sample_rtol``, or what the audit accepts of the data's rounding
+    (``AUDIT_SLACK`` times ``data_precision`` (b,), :func:`data_precision`) where that is
+    coarser, up to ``LOOSEST_SAMPLE_RTOL``.
 
     A weight is read off the sample's column against the model's prediction at its input, so it
-    carries the column's rounding, its input's (amplified by the network where the softmax is
-    nearly saturated) and the client's: the gradient in the logits, ``p - e_y``, is a difference
-    of terms near 1, off by about ``eps / |p - e_y|`` relative. A float64 CNN head trained 1000
-    steps (MNIST, b = 64) sent samples whose weights came out 9 to 16 times that rounding off 1/b
+    carries the rounding of both, and an input's error moves the prediction's size by more than
+    its own where the softmax is nearly saturated. A float64 CNN head trained 1000 steps (MNIST,
+    b = 64) sent samples whose weights came out 9 to 16 times their data precision off 1/b
     (1.8e-8 and 1.5e-7), where their columns' misfit tolerance was 1.4e-8 and 6.1e-8. The
-    float32 tolerance (1e-3) lies above the cap: nothing changes there."""
-    explained = torch.zeros_like(sample_rtol)
-    if data_precision is not None:
-        explained = explained + data_precision.detach().to(explained).nan_to_num(0.0, posinf=0.0)
-    rounding = getattr(gate.certifier, "rounding", None)
-    client = None if rounding is None else rounding(inputs, labels)
-    if client is not None:
-        explained = explained + client.detach().to(explained)
+    client's own rounding of a confident sample (``eps / |p - e_y|``, the certifier's
+    ``rounding``) is not added: a weight that only it could explain would be accepted beyond
+    the precision the result states for the input (an adversarial review's concern), so such
+    a batch stays unverified. The float32 tolerance (1e-3) lies above the cap: nothing changes
+    there."""
+    if data_precision is None:
+        return sample_rtol
+    explained = data_precision.detach().to(sample_rtol).nan_to_num(0.0, posinf=0.0)
     coarse = (AUDIT_SLACK * explained).clamp_max(LOOSEST_SAMPLE_RTOL)
     return torch.maximum(sample_rtol, coarse)
 
@@ -289,7 +282,7 @@ def judge(
         inputs, grad_outputs, check, consistent, determinacy, cert, BatchReduction(None, None, None), None, []
     )
     if cert is not None:
-        weight_rtol = weight_tolerances(gate, inputs, cert.labels, sample_rtol, data_precision)
+        weight_rtol = weight_tolerances(sample_rtol, data_precision)
         _judge_by_model(verdict, cert, pinned, WEIGHT_PRECISION * weight_rtol, gate.trusted, clients)
         faint = (sample_rtol > tol.verify_rtol).nonzero()[:, 0].tolist()
         if faint:

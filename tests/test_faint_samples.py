@@ -199,3 +199,38 @@ def test_loss_weights_are_read_at_the_datas_rounding():
     # a column not solved on its clearly zero rows (precision inf) keeps its misfit tolerance
     data[1] = torch.inf
     assert float(weight_tolerances(sample_rtol, data)[1]) == 1e-8
+
+
+def test_zero_sets_are_trusted_column_by_column_where_their_rounding_allows():
+    """A batch that is not resolvable (its faint samples) keeps the pins of the columns that
+    pass the batch's test on their own and whose zero set as read covers their rounding; in
+    float32 the rounding floor never widens the zero band, so a column known to 5e-4 (within
+    10 zero_rtol) whose floor exceeds the band is not trusted."""
+    from spear.core.consistency import Tolerances
+
+    torch.manual_seed(0)
+    rows, b = 400, 4
+    factor = torch.randn(rows, b, dtype=torch.float64)
+    directions = torch.eye(b, dtype=torch.float64)
+    norms = factor.norm(dim=0)
+    peaks = factor.abs().amax(dim=0)
+
+    def trusted(dtype, precision):  # rounding map giving each column that relative precision
+        setup = SimpleNamespace(
+            resolvable=False,
+            rounding=torch.diag(precision * norms),
+            problem=SimpleNamespace(sparse_factor=factor),
+            tol=Tolerances.for_dtype(dtype),
+        )
+        return reconstruct_module.AttackSetup.trusted_columns(setup, directions)
+
+    precision = torch.tensor([1e-12, 1e-9, 2e-8, 1e-6], dtype=torch.float64)
+    assert trusted(torch.float64, precision).tolist() == [True, True, False, False]
+    # float32: precision 5e-4 passes the batch's test (1e-3), but its floor, 10 root mean
+    # squares of the error (~5e-4 * norm / sqrt(rows) * 10), lies above the band of 1e-4 * max
+    precision = torch.tensor([1e-7, 1e-6, 5e-4, 2e-3], dtype=torch.float64)
+    floors = 10 * precision * norms / rows**0.5
+    assert bool(floors[2] > 1e-4 * peaks[2]) and bool(floors[1] < 1e-4 * peaks[1])
+    assert trusted(torch.float32, precision).tolist() == [True, True, False, False]
+    resolvable = SimpleNamespace(resolvable=True)
+    assert bool(reconstruct_module.AttackSetup.trusted_columns(resolvable, directions).all())

@@ -42,6 +42,7 @@ from spear.core.diagnosis import (
     relu_sparse,
 )
 from spear.core.filtering import (
+    FLOOR_CAP,
     CandidatePool,
     SnapResult,
     kernel_of_rows,
@@ -261,16 +262,27 @@ class AttackSetup:
 
     def trusted_columns(self, directions: torch.Tensor) -> torch.Tensor:
         """(k,) whether the zero sets of the columns of these directions (k x b) can be trusted:
-        all where the batch is resolvable; where it is not, for its weakest samples' rounding
-        alone (a rounding map), the columns whose own rounding (:func:`column_precision`) stays
-        within ``RESOLVABLE_SLACK * zero_rtol``; none of a noisier gradient's."""
+        all where the batch is resolvable; none of a gradient noisier than its rounding. Where
+        the batch is not resolvable for its weakest samples' rounding alone (a rounding map),
+        the columns that pass, on their own, the test the whole batch failed (their rounding,
+        :func:`column_precision`, within ``RESOLVABLE_SLACK * zero_rtol``), and whose zero set
+        as read covers their rounding: the rounding floor (:func:`rounding_floor`) within the
+        zero band, or within ``FLOOR_CAP`` where :meth:`column_zeros` reads zeros up to the
+        floor (float64). In float32 the floor never widens the band, and a column trusted by
+        its precision alone (up to 1e-3) could have true zeros read as nonzero and small active
+        entries read as zero (a review's concern). The faint columns are never trusted."""
         k = directions.shape[0]
         if self.resolvable:
             return torch.ones(k, dtype=torch.bool, device=directions.device)
         if self.rounding is None:
             return torch.zeros(k, dtype=torch.bool, device=directions.device)
-        precision = column_precision(directions, self.problem.sparse_factor, self.rounding)
-        return precision <= RESOLVABLE_SLACK * self.tol.zero_rtol
+        factor = self.problem.sparse_factor
+        precise = column_precision(directions, factor, self.rounding) <= RESOLVABLE_SLACK * self.tol.zero_rtol
+        values = directions @ factor.T
+        floor = rounding_floor(directions, self.rounding, values.shape[1])
+        assert floor is not None
+        band = max(self.tol.zero_rtol, FLOOR_CAP) * values.abs().amax(dim=1)
+        return precise & (floor <= band)
 
     def column_zeros(self, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The zero sets of the columns of directions q (k x b): the entries within ``zero_rtol``

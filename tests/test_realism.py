@@ -223,8 +223,8 @@ def test_float64_cnn_head_trained_1000_steps_with_faint_and_confident_samples(mn
     * the rounding floor of a faint column at ``ROUNDING_ENTRY`` = 10 root mean squares of its
       error (at 3, true zeros up to 5 of them above it kept sigma below 1 to the end of any
       budget);
-    * the zero sets of the columns known far better than the zero band count although the batch
-      is not resolvable (its faint samples' are not), so the layer pins the sign-only samples;
+    * the zero sets of the columns that pass on their own the test the batch fails (its faint
+      samples' rounding) count, so the layer pins the sign-only samples;
     * loss weights read at the data's rounding (``weight_tolerances``): confident samples'
       weights come out ~10 times their data precision off 1/b."""
     import spear.core.filtering as filtering_module

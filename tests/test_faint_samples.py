@@ -125,7 +125,7 @@ def test_a_faint_weight_off_its_estimate_costs_the_others_nothing():
     assert fit.multiplicities.tolist() == [1, 1, 0, 1, 1, 1]
     assert reduction_of_tight(weights, torch.full((6,), 1e-8, dtype=torch.float64)) is None
     weights[4] *= 1.01  # a tight sample off too: nothing fits
-    assert reduction_of_tight(weights, precision).reduction is None
+    assert reduction_of_tight(weights, precision) is None
 
 
 def test_a_certifier_without_the_opt_in_keeps_its_own_tolerance(faint_client):

@@ -335,17 +335,18 @@ FAINT_SHARE = 0.1
 def reduction_of_tight(weights: torch.Tensor, precision: torch.Tensor) -> BatchReduction | None:
     """The reduction that the samples with the tightest weight precision fit (``precision``
     (b,), :func:`infer_reduction`'s), with multiplicity 0 for the others; None without both
-    kinds. Where the whole batch fits none, a faint sample's weight may be off by more than its
-    first-order precision estimate (MNIST b = 23, untrained shallow MLP: 2.5e-4 where 1e-4 was
-    estimated, on one CPU and not another): that must not cost every other sample its
-    certificate. The batch stays unverified; the loose samples are certified by none of this."""
+    kinds, or when the tight samples fit none either. Where the whole batch fits none, a faint
+    sample's weight may be off by more than its first-order precision estimate (MNIST b = 23,
+    untrained shallow MLP: 2.5e-4 where 1e-4 was estimated, on one CPU and not another): that
+    must not cost every other sample its certificate. The batch stays unverified; the loose
+    samples are certified by none of this."""
     precision = precision.detach().double().cpu().expand_as(weights)
     loose = precision > precision.min()
     if not bool(loose.any()) or int((~loose).sum()) < 2:
         return None
     fit = infer_reduction(weights[~loose.to(weights.device)], precision[~loose])
-    if fit.multiplicities is None:
-        return fit
+    if fit.reduction is None or fit.multiplicities is None:
+        return None
     multiplicities = torch.zeros(weights.numel(), dtype=torch.long)
     multiplicities[~loose] = fit.multiplicities
     return replace(fit, multiplicities=multiplicities, missing=None)
@@ -591,7 +592,7 @@ def _judge_by_model(
     verdict.reduction = reduction
     unfit = reduction.reduction is None and clients == 1
     partial = reduction_of_tight(cert.weights, precision) if unfit else None
-    if partial is not None and partial.reduction is not None:
+    if partial is not None:
         verdict.partial_reduction = partial
         off = (partial.multiplicities == 0).nonzero()[:, 0].tolist()  # type: ignore[union-attr]
         verdict.problems.append(

@@ -258,18 +258,16 @@ def judge(
     the others are checked again; ``pinned`` the columns' pins when the pool knows them.
     ``resolvable``: the batch's zero sets can be trusted (:func:`spear.core.consistency.
     resolvable`); otherwise nothing is pinned, unless ``trusted`` says so column by column.
-    ``clients`` > 1: the gradient sums that many
-    clients' mean losses (secure aggregation). ``sample_rtol`` (b,): each column's misfit
-    tolerance, looser than ``verify_rtol`` for columns known less precisely
-    (:func:`sample_tolerances`); its loss weight is read at that precision or coarser. ``precision``
-    (b,): each sample's rounding in the data (:func:`data_precision`), for the audit of a
-    model-verified batch (:func:`audit_precision`). ``trusted`` (b,): per column, whether its
-    zero set can be trusted where the batch is not resolvable as a whole (its faint samples'
-    rounding): the column passes that test on its own and its zero set as read covers its
-    rounding (:meth:`spear.core.reconstruct.AttackSetup.trusted_columns`); None:
-    ``resolvable`` for every column.
-    ``data_precision`` (b,): every sample's rounding in the data, for its loss weight's
-    precision (:func:`weight_tolerances`)."""
+    ``clients`` > 1: the gradient sums that many clients' mean losses (secure aggregation).
+    ``sample_rtol`` (b,): each column's misfit tolerance, looser than ``verify_rtol`` for
+    columns known less precisely (:func:`sample_tolerances`); its loss weight is read at that
+    precision or coarser. ``precision`` (b,): each sample's rounding in the data
+    (:func:`data_precision`), for the audit of a model-verified batch (:func:`audit_precision`).
+    ``trusted`` (b,): per column, whether its zero set can be trusted where the batch is not
+    resolvable as a whole (its faint samples' rounding): the column passes that test on its own
+    and its zero set as read covers its rounding (:meth:`spear.core.reconstruct.AttackSetup.
+    trusted_columns`); None: ``resolvable`` for every column. ``data_precision`` (b,): every
+    sample's rounding in the data, for its loss weight's precision (:func:`weight_tolerances`)."""
     inputs, grad_outputs = assembled
     zero = zero_mask((sparse_factor @ selection.Qbar).T, tol.zero_rtol)
     determinacy = ambiguous_groups(sparse_factor, selection.Qbar.T, zero, certified, pinned, tol.zero_rtol)

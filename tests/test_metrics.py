@@ -1,9 +1,12 @@
 """Metrics against reference implementations (scikit-image) and their defining properties."""
 
+import math
+
 import numpy as np
 import pytest
 import torch
 
+from spear.errors import InputError
 from spear.metrics import LPIPS, MSE, PSNR, SSIM, batch_exact, evaluate_batch, lpips_available, match_samples
 from spear.metrics.image import ssim_window
 
@@ -141,3 +144,38 @@ def test_relative_errors_follow_the_estimates_order_after_matching():
     direction = direction / direction.norm(dim=1, keepdim=True)
     estimate = truth[order] + noise[:, None] * truth[order].norm(dim=1, keepdim=True) * direction
     assert torch.allclose(relative_errors(estimate, truth), noise, rtol=1e-9, atol=1e-15)
+
+
+def test_a_partial_recovery_leaves_the_missing_samples_missing():
+    # review 26: the unmatched true samples were scored against uninitialized memory, which
+    # could still hold the truth and read "exact" for 3 of 4 samples
+    ref = images(4)
+    for _ in range(5):
+        copy = ref.clone()  # freed memory holding the truth, for empty_like to hand out again
+        del copy
+        result = evaluate_batch(ref[:3].clone(), ref, [MSE()])
+        assert not result.exact and result.exact_samples == 3 and result.batch_size == 4
+        assert result.per_sample["exact"] == [True, True, True, False]
+        assert math.isnan(result.per_sample["mse"][3]) and result.means["mse"] == 0.0
+
+
+def test_evaluation_refuses_more_estimates_than_samples_and_mismatched_features():
+    ref = images(4)
+    extra = torch.cat([ref, images(4, seed=1)])
+    with pytest.raises(InputError, match="8 estimates for 4"):
+        evaluate_batch(extra, ref, [MSE()])
+    with pytest.raises(InputError, match="as many features"):
+        evaluate_batch(ref.flatten(1)[:, :-1], ref, [MSE()])
+    with pytest.raises(InputError, match="one shape"):
+        batch_exact(ref[:3], ref)
+    flat = evaluate_batch(ref.flatten(1), ref, [MSE()])  # rows of the same features: reshaped
+    assert flat.exact and flat.exact_samples == 4
+
+
+def test_a_non_finite_estimate_is_matched_last_and_not_exact():
+    ref = images(3)
+    est = ref[[2, 0, 1]].clone()
+    est[0] = torch.nan  # the estimate of sample 2 failed
+    result = evaluate_batch(est, ref, [MSE()])
+    assert result.per_sample["exact"] == [True, True, False]
+    assert result.exact_samples == 2 and not result.exact

@@ -8,15 +8,34 @@ import numpy as np
 import torch
 from scipy.optimize import linear_sum_assignment
 
+from spear.errors import InputError
 from spear.metrics.base import Metric, metrics_for
 from spear.metrics.image import batch_exact
+
+#: the matching cost of a pair with a non-finite entry (NaN or Inf estimates): after every finite
+#: pair, so such an estimate is matched last, and it scores as not recovered
+NON_FINITE_COST = 1e300
 
 
 def match_samples(estimate: torch.Tensor, reference: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
     """Hungarian assignment minimising the total MSE between estimated and true samples.
-    Returns index arrays (est_idx, ref_idx)."""
+    Returns index arrays (est_idx, ref_idx). A non-finite estimate is matched last."""
+    _check_samples(estimate, reference)
     cost = torch.cdist(estimate.flatten(1).double(), reference.flatten(1).double()) ** 2
+    cost = torch.nan_to_num(cost, nan=NON_FINITE_COST, posinf=NON_FINITE_COST)
     return linear_sum_assignment(cost.cpu().numpy())
+
+
+def _check_samples(estimate: torch.Tensor, reference: torch.Tensor) -> None:
+    """Both (k, ...) tensors of samples with as many features each (their shapes may differ)."""
+    for name, value in (("estimate", estimate), ("reference", reference)):
+        if not isinstance(value, torch.Tensor) or value.dim() < 2:
+            raise InputError(f"{name} must be a tensor of samples, (k, ...) with k first; got {value!r:.80}")
+    if estimate[0].numel() != reference[0].numel():
+        raise InputError(
+            f"estimate samples have shape {tuple(estimate.shape[1:])} and reference samples "
+            f"{tuple(reference.shape[1:])}: they must hold as many features each"
+        )
 
 
 def relative_errors(estimate: torch.Tensor, reference: torch.Tensor) -> torch.Tensor:
@@ -60,17 +79,27 @@ def evaluate_batch(
     ``metrics`` of that modality) and score every sample.
 
     The paper's accuracy: the batch is exact when every sample is within ``exact_atol``.
+    Fewer estimates than reference samples (a partial recovery) leave the unmatched ones
+    *missing*: NaN in every metric, never exact, and left out of the means (``exact_samples``
+    and ``batch_size`` say how many there are). More estimates than samples raise
+    :class:`~spear.errors.InputError`: matching would keep the best of them and hide the rest.
     """
     metrics = metrics if metrics is not None else metrics_for("image")
+    _check_samples(estimate, reference)
+    if estimate.shape[0] > reference.shape[0]:
+        raise InputError(
+            f"evaluate_batch got {estimate.shape[0]} estimates for {reference.shape[0]} reference "
+            "samples: pass at most one estimate per sample (an attack's own choice of them)"
+        )
     est_idx, ref_idx = match_samples(estimate, reference)
-    ordered = torch.empty_like(reference)
-    ordered[ref_idx] = estimate[est_idx].to(reference.dtype)
+    ordered = torch.full_like(reference, torch.nan)
+    ordered[ref_idx] = estimate[est_idx].reshape(-1, *reference.shape[1:]).to(reference.dtype)
     per_sample: dict[str, list[float]] = {}
     means: dict[str, float] = {}
     for metric in metrics:
         values = metric(ordered, reference) if metric.available() else torch.full((len(reference),), np.nan)
         per_sample[metric.name] = [float(v) for v in values]
-        means[metric.name] = float(values.double().mean())
+        means[metric.name] = float(values.double().nanmean())
     exact = batch_exact(ordered, reference, exact_atol)
     per_sample["exact"] = [bool(v) for v in exact]
     return BatchEvaluation(per_sample, means, bool(exact.all()), int(exact.sum()), len(reference), ordered)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from spear.errors import InputError
 from spear.metrics.base import Metric, register
 
 
@@ -62,4 +63,9 @@ class SSIM(Metric):
 def batch_exact(estimate: torch.Tensor, reference: torch.Tensor, atol: float = 1e-6) -> torch.Tensor:
     """Per sample: every pixel within ``atol`` (image scale [0, 1]) of the truth. A batch counts
     as exactly recovered (the paper's accuracy) when all its samples are."""
+    if estimate.shape != reference.shape:
+        raise InputError(
+            f"batch_exact compares matched samples: estimate {tuple(estimate.shape)} and reference "
+            f"{tuple(reference.shape)} must have one shape (match them first: evaluate_batch)"
+        )
     return (estimate.double() - reference.double()).abs().flatten(1).amax(dim=1) <= atol

@@ -173,6 +173,13 @@ def test_a_leading_flatten_keeps_the_first_layer_first_and_its_samples_the_data(
         (None, {"loss": "mse"}, "unknown loss"),
         ("10", {}, "not the string"),
         (None, {"device": "gpu"}, "unknown device"),
+        # review 26: each attack's error became a step, and the call returned an empty result
+        (None, {"time_budgett": 5}, r"unknown option\(s\) \['time_budgett'\]"),
+        (None, {"seed": None}, "seed must be an integer"),
+        (None, {"sparsity": "bogus"}, "sparsity must be"),
+        (None, {"proposer": "bogus"}, "unknown proposer 'bogus'"),
+        (None, {"progress": 3}, "progress must be a callable"),
+        (None, {"loss": 3}, "loss must be"),
     ],
 )
 def test_bad_arguments_name_what_is_wrong(layers, options, match):

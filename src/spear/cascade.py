@@ -31,7 +31,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from spear.api import _resolve_device, attack_layer, check_seconds, named_gradients, warn_if_oversubscribed
+from spear.api import (
+    _resolve_device,
+    attack_layer,
+    build_options,
+    check_seconds,
+    named_gradients,
+    warn_if_oversubscribed,
+)
 from spear.certify import LossFn, _cross_entropy
 from spear.core.certificate import infer_reduction
 from spear.core.consistency import Tolerances
@@ -188,6 +195,10 @@ def per_sample_gradients(
     }
 
 
+#: :func:`spear.attack_layer`'s own keywords (the others are :func:`spear.reconstruct`'s options)
+_LAYER_ONLY_OPTIONS = {"certify", "sample_weights", "precision_audit"}
+
+
 def attack_model(
     model: nn.Module,
     gradients: Mapping[str, Any] | Sequence[Any],
@@ -227,8 +238,15 @@ def attack_model(
     """
     if isinstance(loss, str) and loss != "cross_entropy":
         raise InputError(f"unknown loss {loss!r}; use 'cross_entropy' or pass a callable")
+    if not isinstance(loss, str) and not callable(loss):
+        raise InputError(f"loss must be 'cross_entropy' or a callable loss(logits, labels), got {loss!r:.60}")
+    if progress is not None and not callable(progress):
+        raise InputError("progress must be a callable receiving each CascadeStep, or None")
     check_seconds("time_budget", time_budget)
-    if "device" in options:  # once, here: each attack's errors become steps, not this call's
+    # once, here: each attack's errors become steps of the result, so a misspelled or invalid
+    # option would otherwise end every step, not this call
+    build_options({k: v for k, v in options.items() if k not in _LAYER_ONLY_OPTIONS})
+    if "device" in options:
         _resolve_device(options["device"])
     check_seconds("attack_budget", attack_budget)
     warn_if_oversubscribed(time_budget if time_budget is not None else attack_budget)

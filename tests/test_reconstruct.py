@@ -204,6 +204,26 @@ def test_gradients_as_servers_receive_them():
     for wrong in (None, grads["0.weight"]):
         with pytest.raises(InputError, match="must be a dict parameter-name -> gradient"):
             spear.attack_layer(model, "0", wrong, seed=0)
+    with pytest.raises(InputError, match="keyed by parameter name"):
+        spear.attack_layer(model, "0", dict(enumerate(grads.values())), seed=0)
+
+
+def test_a_frozen_layer_s_none_gradient_is_left_out():
+    """Review 26: with the next layer frozen, ``{n: p.grad ...}`` holds None for it, and
+    attack_layer failed on an option the user never passed (next_weight without
+    next_grad_weight). A None gradient is one the update does not hold."""
+    from spear.fl import fedsgd_gradients, fully_connected
+
+    model = fully_connected(40, 60, 3, seed=0, dtype=torch.float64)
+    x = torch.randn(6, 40, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    grads = fedsgd_gradients(model, x, torch.arange(6))
+    frozen = {k: (None if k.startswith("2.") else v) for k, v in grads.items()}
+    for update in (frozen, list(frozen.values())):
+        rec = spear.attack_layer(model, "0", update, seed=0)
+        assert rec.verified
+        assert_exact(rec.inputs, x)
+    with pytest.raises(InputError, match="a None gradient counts as missing"):
+        spear.attack_layer(model, "2", frozen, seed=0)
 
 
 def test_all_zero_gradients(small):

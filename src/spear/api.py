@@ -28,7 +28,7 @@ from spear.certify import (
 )
 from spear.core.certificate import SampleCertifier
 from spear.core.consistency import Tolerances
-from spear.core.proposers import DirectionProposer
+from spear.core.proposers import PROPOSERS, DirectionProposer
 from spear.core.reconstruct import run_attack
 from spear.core.result import AttackOptions, Reconstruction
 from spear.errors import InputError, OversubscribedWarning
@@ -61,18 +61,28 @@ def _resolve_device(device: str) -> torch.device:
         dev = torch.device(device)
     except (RuntimeError, TypeError) as exc:
         raise InputError(f"unknown device {device!r}; use 'cpu' or 'cuda'") from exc
+    if dev.type not in ("cpu", "cuda"):
+        raise InputError(f"unknown device {device!r}; use 'cpu' or 'cuda'")
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise InputError("device='cuda' was requested but CUDA is not available here; use device='cpu'")
     return dev
 
 
-def _integer(name: str, value: Any, minimum: int, allow_none: bool = False) -> int | None:
+#: the largest seed (torch.Generator.manual_seed takes a signed 64-bit integer's range)
+MAX_SEED = 2**63 - 1
+
+
+def _integer(
+    name: str, value: Any, minimum: int, allow_none: bool = False, maximum: int | None = None
+) -> int | None:
     if value is None and allow_none:
         return None
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise InputError(f"{name} must be an integer{' or None' if allow_none else ''}, got {value!r}")
     if int(value) < minimum:
         raise InputError(f"{name} must be >= {minimum}, got {value}")
+    if maximum is not None and int(value) > maximum:
+        raise InputError(f"{name} must be <= {maximum}, got {value}")
     return int(value)
 
 
@@ -141,9 +151,16 @@ def named_gradients(model: torch.nn.Module, gradients: Mapping[str, Any] | Seque
     """The update as a dict parameter-name -> gradient: a dict as given, or a list in
     ``model.parameters()`` order (a clear error when its length does not match). A dict keyed by
     a wrapped model's names (every key with one of ``WRAPPER_PREFIXES``) is read with the
-    prefix removed when that gives the model's own names."""
+    prefix removed when that gives the model's own names. A ``None`` gradient (a frozen
+    parameter's ``p.grad``) is one the update does not hold: it is left out."""
     if isinstance(gradients, Mapping):
-        return _unwrapped(model, dict(gradients))
+        odd = [key for key in gradients if not isinstance(key, str)]
+        if odd:
+            raise InputError(
+                f"gradients must be keyed by parameter name (model.named_parameters()), got keys "
+                f"{odd[:3]!r}; a list in model.parameters() order works too"
+            )
+        return _unwrapped(model, {k: v for k, v in gradients.items() if v is not None})
     if gradients is None or isinstance(gradients, torch.Tensor) or not isinstance(gradients, Iterable):
         raise InputError(
             f"gradients must be a dict parameter-name -> gradient or a list in model.parameters() "
@@ -157,7 +174,7 @@ def named_gradients(model: torch.nn.Module, gradients: Mapping[str, Any] | Seque
             f"got {len(listed)} gradients but the model has {len(names)} parameters; pass one "
             "per parameter in model.parameters() order, or a dict name -> gradient"
         )
-    return dict(zip(names, listed, strict=True))
+    return {name: value for name, value in zip(names, listed, strict=True) if value is not None}
 
 
 def _unwrapped(model: torch.nn.Module, grads: dict[str, Any]) -> dict[str, Any]:
@@ -181,7 +198,7 @@ def build_options(options: Mapping[str, Any]) -> AttackOptions:
         raise InputError(f"unknown option(s) {sorted(unknown)}; valid options are {sorted(_OPTION_NAMES)}")
     opts = AttackOptions(**options)
     fixed = {
-        "seed": _integer("seed", opts.seed, 0),
+        "seed": _integer("seed", opts.seed, 0, maximum=MAX_SEED),
         "max_proposals": _integer("max_proposals", opts.max_proposals, 0, allow_none=True),
         "chunk_size": _integer("chunk_size", opts.chunk_size, 1),
         "batch_size": _integer("batch_size", opts.batch_size, 1, allow_none=True),
@@ -211,6 +228,11 @@ def build_options(options: Mapping[str, Any]) -> AttackOptions:
     if not isinstance(opts.proposer, (str, DirectionProposer)):
         raise InputError(
             f"proposer must be a name or a DirectionProposer, got {type(opts.proposer).__name__}"
+        )
+    if isinstance(opts.proposer, str) and opts.proposer not in {"auto", *PROPOSERS}:
+        raise InputError(
+            f"unknown proposer {opts.proposer!r}; use one of {sorted({'auto', *PROPOSERS})} or pass a "
+            "DirectionProposer instance"
         )
     return dataclasses.replace(opts, **fixed)
 
@@ -406,7 +428,10 @@ def attack_layer(
     prefix = f"{layer}." if layer else ""
     missing = [k for k in (prefix + "weight", prefix + "bias") if k not in grads]
     if missing:
-        raise InputError(f"gradients lack {missing}; available: {sorted(grads)[:10]}")
+        raise InputError(
+            f"gradients lack {missing} (a None gradient counts as missing: did backward() run, and "
+            f"does the layer require grad?); available: {sorted(grads)[:10]}"
+        )
     if "next_grad_weight" not in options:
         following = _next_linear(model, layer, module, grads)
         if following is not None:

@@ -84,6 +84,8 @@ def expected_proposals(b: int) -> float:
     180000.0
     """
     q = success_probability_lower_bound(b)
+    if q == 0.0:  # below float64's range (b >~ 1075): the count is beyond it too
+        return math.inf
     harmonic = sum(1.0 / k for k in range(1, b + 1))
     return b * harmonic / q
 
@@ -91,6 +93,8 @@ def expected_proposals(b: int) -> float:
 def expected_proposals_approx(b: int) -> float:
     """Lemma 5.2's approximation ``(b log b + gamma b + 1/2) / q``."""
     q = success_probability_lower_bound(b)
+    if q == 0.0:
+        return math.inf
     return (b * math.log(b) + EULER_GAMMA * b + 0.5) / q
 
 

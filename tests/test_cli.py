@@ -54,6 +54,10 @@ def test_attack_table_output():
         (["evaluate", "--batches", "0"], "--batches must be >= 1"),
         (["attack", "--proposer", "magic"], "unknown proposer"),
         (["cascade", "-b", "4", "--width", "30", "--depth", "3", "--device", "gpu"], "unknown device"),
+        # review 26: tracebacks from torch and the standard library
+        (["attack", "--device", "meta"], "unknown device 'meta'"),
+        (["attack", "--seed", str(2**64)], "--seed must be at most"),
+        (["evaluate", "--batches", "2", "--seed", str(2**63 - 1)], "--seed + --batches - 1"),
     ],
 )
 def test_bad_arguments_exit_with_one_line(args, message):
@@ -224,7 +228,7 @@ def test_vulnerability_unwritable_out_is_a_clear_error(tmp_path):
     blocker.write_text("")
     args = ["vulnerability", "-b", "2", "--width", "20", "--depth", "2", "--dataset", "digits"]
     result = runner.invoke(app, [*args, "--proxies", "grad_norm", "--out", str(blocker / "x")])
-    assert result.exit_code == 2 and "cannot write the results" in result.output
+    assert result.exit_code == 2 and "cannot write" in result.output  # before the run (review 26)
 
 
 def test_cascade_json_recovers_the_batch_exactly():
@@ -255,3 +259,32 @@ def test_precision_rows_summarize_the_estimates_and_count_those_without():
     mixed = _precision_summary([2e-10, float("nan"), None, 5e-11])
     assert mixed == "median 2.0e-10, worst 2.0e-10; 2 solved one by one, not estimated"
     assert _precision_summary([float("nan")] * 3) == "not estimated (3 solved one by one)"
+
+
+def test_output_paths_that_cannot_be_written_fail_before_the_attack(tmp_path, monkeypatch):
+    """Review 26: ``attack --out FILE`` ran the whole attack and then raised FileExistsError (the
+    result lost); ``evaluate --results DIR`` raised IsADirectoryError. Checked first now."""
+    import spear.experiments
+
+    def never(*args, **kwargs):
+        raise AssertionError("the attack ran although its output could not be written")
+
+    monkeypatch.setattr(spear.experiments, "run_experiment", never)
+    monkeypatch.setattr(spear.experiments, "run_batches", never)
+    taken = tmp_path / "a_file"
+    taken.write_text("")
+    for args, message in (
+        (["attack", *TINY, "--out", str(taken)], "exists and is not a directory"),
+        (["evaluate", *TINY, "--batches", "1", "--results", str(tmp_path)], "exists and is not a file"),
+        (["attack", *TINY, "--out", str(taken / "below")], "is not a directory this user can write"),
+    ):
+        result = runner.invoke(app, args)
+        assert result.exit_code == 2, result.output
+        text = " ".join(result.output.split())  # rich wraps long paths
+        assert message in text and "Traceback" not in text
+
+
+def test_theory_beyond_float_range_reads_infinite():
+    result = runner.invoke(app, ["theory", "--batch-size", "1100", "--width", "1200", "--json"])
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.output)["expected_proposals"] == float("inf")

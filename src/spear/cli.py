@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import sys
 from contextlib import contextmanager
 from pathlib import Path
@@ -15,6 +16,7 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from spear import theory as theory_module
+from spear.api import MAX_SEED
 from spear.core.result import ProgressEvent
 from spear.errors import SpearError
 
@@ -119,6 +121,8 @@ def _settings(**options):
         if options.get(key) is None:
             options[key] = default
     options["dataset"] = dataset
+    if options.get("seed", 0) > MAX_SEED:
+        _fail(f"--seed must be at most {MAX_SEED} (torch's generators take 64-bit signed seeds)")
     settings = ExperimentSettings(**options)
     try:
         settings.make_protocol().check_batch(batch_size)
@@ -230,6 +234,7 @@ def attack(
     from spear.experiments.report import json_safe
 
     settings = _settings(**_experiment_options(locals()))
+    _check_out_dir(out)
     console = Console(stderr=json_output)
     try:
         with _ProgressDisplay(console) as display:
@@ -238,7 +243,8 @@ def attack(
         _fail(str(exc))
     record = result.record
     if out is not None:
-        paths = write_result_dir(out, record, result.reconstruction_images, result.true_images)
+        with _writing_to(out):
+            paths = write_result_dir(out, record, result.reconstruction_images, result.true_images)
         console.print(f"wrote {', '.join(str(p) for p in paths)}")
     if json_output:
         sys.stdout.write(json.dumps(json_safe(record), indent=2, allow_nan=False) + "\n")
@@ -353,7 +359,7 @@ def cascade(
             f"{step.stop_reason})"
         )
 
-    order = None if layers is None else _split(layers, "--layers")
+    order = None if layers is None else _split(layers, "layers")
     try:
         record = run_cascade_experiment(settings, order, attack_budget, rounds, progress=show)
     except SpearError as exc:
@@ -408,6 +414,9 @@ def evaluate(
 
     if batches < 1:
         _fail("--batches must be >= 1")
+    if seed + batches - 1 > MAX_SEED:
+        _fail(f"--seed + --batches - 1 must be at most {MAX_SEED} (the batches' seeds)")
+    _check_results_file(results)
     settings = _settings(**_experiment_options(locals()))
     console = Console(stderr=json_output)
 
@@ -422,6 +431,8 @@ def evaluate(
         records = run_batches(settings, batches, results, on_result=report)
     except SpearError as exc:
         _fail(str(exc))
+    except OSError as exc:
+        _fail(f"cannot write --results {results}: {exc}")
     except KeyboardInterrupt:
         console.print(f"interrupted; finished batches are kept in {results} (rerun to resume)")
         raise typer.Exit(130) from None
@@ -440,6 +451,31 @@ def evaluate(
     table.add_row("accuracy", f"{acc['mean']:.0%}", f"[{acc['low']:.2f}, {acc['high']:.2f}]")
     table.add_row("verified (data)", f"{summary['data_verified']}/{len(records)}", "")
     console.print(table)
+
+
+def _writable(path: Path, kind: str, option: str) -> None:
+    """Before the run: ``path`` can become a ``kind`` ("directory" or "file") that this user
+    may write (an attack's result must not be lost to a path that fails only at the end)."""
+    if path.exists() and (path.is_dir() != (kind == "directory")):
+        _fail(f"{option} {path} exists and is not a {kind}; name a {kind} (new or existing)")
+    if path.exists():
+        if not os.access(path, os.W_OK):
+            _fail(f"cannot write {option} {path}: this user may not write it")
+        return
+    ancestor = path.parent
+    while not ancestor.exists() and ancestor != ancestor.parent:
+        ancestor = ancestor.parent
+    if not ancestor.is_dir() or not os.access(ancestor, os.W_OK):
+        _fail(f"cannot write {option} {path}: {ancestor} is not a directory this user can write")
+
+
+def _check_out_dir(out: Path | None) -> None:
+    if out is not None:
+        _writable(out, "directory", "--out")
+
+
+def _check_results_file(results: Path) -> None:
+    _writable(results, "file", "--results")
 
 
 @contextmanager
@@ -513,6 +549,7 @@ def compare(
     if unknown:
         _fail(f"unknown method(s) {', '.join(unknown)}; choose from {', '.join(ATTACKS)}")
     settings = _settings(**_experiment_options(locals()), device="cpu", proposer="auto")
+    _check_out_dir(out)
     console = Console(stderr=json_output)
 
     def report(record: dict) -> None:
@@ -589,6 +626,7 @@ def vulnerability(
     if unknown:
         _fail(f"unknown prox(ies) {', '.join(unknown)}; choose from {', '.join(PROXIES)}")
     settings = _settings(**_experiment_options(locals()), device="cpu", proposer="auto")
+    _check_out_dir(out)
     console = Console(stderr=json_output)
     try:
         case = ClientCase.draw(settings)

@@ -334,3 +334,55 @@ def test_every_error_is_a_spear_error():
     for cls in (InputError, NoSparsityError, RankError):
         assert issubclass(cls, SpearError)
     assert np is not None
+
+
+def _small_update():
+    from spear.fl import fedsgd_gradients, fully_connected
+
+    model = fully_connected(40, 60, 3, seed=0, dtype=torch.float64)
+    x = torch.randn(6, 40, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    return model, x, fedsgd_gradients(model, x, torch.arange(6))
+
+
+@pytest.mark.parametrize(
+    ("call", "match"),
+    [
+        (lambda m, g: spear.attack_layer(m, "0", g, loss=3), "loss must be 'cross_entropy' or a callable"),
+        (lambda m, g: spear.attack_layer(m, "0", g, loss=lambda logits: logits), "could not be called"),
+        (
+            lambda m, g: spear.attack_layer(
+                m, "0", g, loss=lambda z, y: torch.nn.functional.cross_entropy(z, y)
+            ),
+            "one loss per row of logits",
+        ),
+        (lambda m, g: spear.attack_layer(m, "0", g, sample_weights=3), "sample_weights must be a callable"),
+        (lambda m, g: spear.attack_layer(m, "0", g, certifier="x"), "certifier must be"),
+        (lambda m, g: spear.attack_layer("model", "0", g), "model must be a torch.nn.Module"),
+        (
+            lambda m, g: spear.attack_layer(m, "0", {**g, "0.weight": g["0.weight"].to_sparse()}),
+            "pass a dense one",
+        ),
+        (lambda m, g: spear.attack_layer(m, "0", {**g, "0.weight": g["0.weight"].to("meta")}), "meta device"),
+        (
+            lambda m, g: spear.attack_layer(m, "0", {**g, "0.weight": g["0.weight"].numpy().astype(object)}),
+            "got numpy dtype object",
+        ),
+        (lambda m, g: spear.attack_layer(m, "0", g, seed=2**64), "seed must be <="),
+        (lambda m, g: spear.attack_layer(m, "0", g, device="meta"), "unknown device 'meta'"),
+    ],
+)
+def test_bad_api_arguments_are_named_not_raised_from_deep_inside(call, match):
+    """Review 26: each of these ended in a TypeError, AttributeError or NotImplementedError from
+    inside spear or torch."""
+    model, _, grads = _small_update()
+    with pytest.raises(InputError, match=match):
+        call(model, grads)
+
+
+def test_numpy_gradients_of_any_byte_order_or_strides_are_read():
+    model, x, grads = _small_update()
+    update = {k: v.numpy().astype(">f8") for k, v in grads.items()}  # a foreign file's byte order
+    update["0.weight"] = np.asarray(grads["0.weight"].numpy().T).T  # Fortran order
+    rec = spear.attack_layer(model, "0", update, seed=0)
+    assert rec.verified
+    assert_exact(rec.inputs, x)

@@ -45,10 +45,20 @@ _CLOCK = "_clock_start"
 
 
 def _as_tensor(name: str, value: Any) -> torch.Tensor:
+    """A dense, strided, floating-point tensor holding data (numpy arrays of any byte order or
+    strides are copied as needed); otherwise an InputError naming what to pass."""
     if isinstance(value, torch.Tensor):
         tensor = value.detach()
+        if tensor.layout != torch.strided:
+            raise InputError(f"{name} is a {tensor.layout} tensor; pass a dense one (tensor.to_dense())")
+        if tensor.is_meta:
+            raise InputError(f"{name} is on the meta device (shapes only, no values); pass the real tensor")
     elif isinstance(value, np.ndarray):
-        tensor = torch.from_numpy(value)
+        if value.dtype.kind != "f" or value.dtype.itemsize > 8:
+            raise InputError(
+                f"{name} must hold float16, float32 or float64 numbers, got numpy dtype {value.dtype}"
+            )
+        tensor = torch.from_numpy(np.ascontiguousarray(value, dtype=value.dtype.newbyteorder("=")))
     else:
         raise InputError(f"{name} must be a torch.Tensor or numpy.ndarray, got {type(value).__name__}")
     if not (tensor.is_floating_point()):
@@ -324,6 +334,11 @@ def reconstruct(
         raise InputError("grad_weight is all zeros: the update carries no information about the batch")
     if not bool(Gb.abs().amax() > 0):
         raise InputError("grad_bias is all zeros: the scale of each sample cannot be recovered (Theorem 3.6)")
+    if certifier is not None and not callable(certifier):
+        raise InputError(
+            "certifier must be a spear.core.certificate.SampleCertifier (e.g. spear.certify.ModelCertifier; "
+            f"attack_layer builds the model's) or None, got {type(certifier).__name__}"
+        )
     # the attack's precision is the least of the gradient's and its own working dtype
     source_dtype = source_precision(GW, Gb, torch.empty(0, dtype=opts.dtype))
     cast = {"dtype": opts.dtype, "device": device}
@@ -411,6 +426,17 @@ def attack_layer(
         NoSparsityError: the model shows a non-ReLU activation right after the layer.
     """
     options.setdefault(_CLOCK, time.perf_counter())  # building the model's certifier counts too
+    if not isinstance(model, torch.nn.Module):
+        raise InputError(f"model must be a torch.nn.Module (the global model), got {type(model).__name__}")
+    if not (loss == "cross_entropy" or (callable(loss) and not isinstance(loss, str))):
+        raise InputError(
+            "loss must be 'cross_entropy' or a callable loss(logits, labels) -> per-sample losses, "
+            f"got {loss!r:.60}"
+        )
+    if sample_weights is not None and not callable(sample_weights):
+        raise InputError(
+            "sample_weights must be a callable f(model, inputs, labels) -> (k,) weights, or None"
+        )
     modules = dict(model.named_modules())
     if layer not in modules:
         linear = [name for name, mod in modules.items() if isinstance(mod, torch.nn.Linear)]

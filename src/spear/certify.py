@@ -184,8 +184,17 @@ class ModelCertifier:
         """``d loss(tail(z_j), y_j) / dz`` for pre-activations (k, m) and their labels (k,)."""
         z = z.detach().requires_grad_(True)
         with torch.enable_grad():
-            loss = self.loss(self.tail(z), labels.to(z.device)).sum()
-            (grad,) = torch.autograd.grad(loss, z)
+            try:
+                losses = self.loss(self.tail(z), labels.to(z.device))
+            except TypeError as exc:  # the user's loss does not take (logits, labels)
+                raise InputError(f"loss(logits, labels) could not be called: {exc}") from exc
+            if not isinstance(losses, torch.Tensor) or losses.shape != labels.shape:
+                shape = tuple(losses.shape) if isinstance(losses, torch.Tensor) else type(losses).__name__
+                raise InputError(
+                    "loss(logits, labels) must return one loss per row of logits, shape "
+                    f"({labels.shape[0]},) here; got {shape} (pass reduction='none' to torch's losses)"
+                )
+            (grad,) = torch.autograd.grad(losses.sum(), z)
         return grad
 
     def per_label_gradients(self, z: torch.Tensor) -> torch.Tensor:

@@ -110,3 +110,18 @@ def test_mnist_subset():
     ds = load_dataset("mnist")
     assert ds.images.shape == (5000, 1, 28, 28)
     assert torch.bincount(ds.labels).tolist() == [500] * 10
+
+
+def test_a_truncated_idx_header_and_an_unreadable_image_are_named(tmp_path):
+    from spear.data import load_image_folder
+    from spear.data.formats import read_idx
+
+    path = tmp_path / "short.idx"
+    path.write_bytes(bytes([0, 0, 8, 3]) + struct.pack(">I", 2) + b"\x00\x01\x02")
+    with pytest.raises(InputError, match="truncated: its header names 3 dimensions"):
+        read_idx(path)
+    folder = tmp_path / "images" / "cls"
+    folder.mkdir(parents=True)
+    (folder / "a.png").write_bytes(b"not a png")
+    with pytest.raises(InputError, match="is not an image PIL can read"):
+        load_image_folder(tmp_path / "images")

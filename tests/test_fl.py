@@ -70,3 +70,46 @@ def test_pretraining_lowers_the_loss():
     with torch.no_grad():
         after = float(torch.nn.functional.cross_entropy(model(x), ds.labels[:300]))
     assert after < 0.7 * before
+
+
+def _tiny_model():
+    return fully_connected(6, width=8, depth=2, classes=3, seed=0)
+
+
+@pytest.mark.parametrize(
+    ("call", "match"),
+    [
+        (lambda: fully_connected(6, dtype=torch.int64), "floating-point torch.dtype"),
+        (lambda: fully_connected(6, seed=2**64), r"seed must be an integer in \[0, 2\*\*63 - 1\]"),
+        (lambda: load_dataset(None), "takes a data set's name"),
+        (lambda: simulate_fedsgd(_tiny_model(), None, 4), "must be a spear.data data set"),
+        (
+            lambda: simulate_fedsgd(_tiny_model(), load_dataset("digits"), 4.5),
+            "batch_size must be an integer",
+        ),
+        (
+            lambda: fedsgd_gradients(
+                _tiny_model(), torch.zeros(2, 6, dtype=torch.float64), torch.tensor([0, 3])
+            ),
+            r"\[0, 3\)",
+        ),
+        (
+            lambda: fedsgd_gradients(_tiny_model(), torch.zeros(2, 6, dtype=torch.float64), torch.zeros(2)),
+            "long tensor",
+        ),
+        (
+            lambda: fedsgd_gradients(_tiny_model(), torch.zeros(2, 6), torch.zeros(2, dtype=torch.long)),
+            "model's dtype",
+        ),
+        (
+            lambda: fedsgd_gradients(
+                _tiny_model(), torch.zeros(2, 6, dtype=torch.float64), torch.zeros(3, dtype=torch.long)
+            ),
+            r"shape \(2,\)",
+        ),
+    ],
+)
+def test_helpers_name_bad_arguments(call, match):
+    """Review 26: each ended in a TypeError, IndexError or RuntimeError from torch or PIL."""
+    with pytest.raises(InputError, match=match):
+        call()

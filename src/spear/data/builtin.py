@@ -154,6 +154,8 @@ DATASETS: dict[str, Callable[[], Dataset]] = {
 @lru_cache(maxsize=8)
 def load_dataset(name: str) -> Dataset:
     """Load a built-in data set by name (see :data:`DATASETS`)."""
+    if not isinstance(name, str):
+        raise InputError(f"load_dataset takes a data set's name, one of {sorted(DATASETS)}; got {name!r}")
     key = name.lower()
     if key not in DATASETS:
         raise InputError(f"unknown data set {name!r}; built-in ones are {sorted(DATASETS)}")

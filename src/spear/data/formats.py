@@ -31,7 +31,12 @@ def read_idx(path: str | Path) -> np.ndarray:
         if len(header) != 4 or header[0] != 0 or header[1] != 0 or header[2] not in IDX_DTYPES:
             raise InputError(f"{path} is not an IDX file (bad magic number {header!r})")
         dims = header[3]
-        shape = struct.unpack(f">{dims}I", fh.read(4 * dims))
+        sizes = fh.read(4 * dims)
+        if len(sizes) != 4 * dims:
+            raise InputError(
+                f"{path} is truncated: its header names {dims} dimensions but holds {len(sizes)} bytes"
+            )
+        shape = struct.unpack(f">{dims}I", sizes)
         data = np.frombuffer(fh.read(), dtype=IDX_DTYPES[header[2]])
     if data.size != int(np.prod(shape)):
         raise InputError(f"{path} is truncated: expected {int(np.prod(shape))} values, found {data.size}")
@@ -99,9 +104,14 @@ def load_image_folder(
     for k, cls in enumerate(classes):
         paths = sorted(p for p in (root / cls).iterdir() if p.suffix.lower() in IMAGE_SUFFIXES)
         for p in paths[:limit_per_class]:
-            with Image.open(p) as img:
-                img = img.convert("L" if grayscale else "RGB").resize((size, size), Image.BILINEAR)
-                arr = np.asarray(img, dtype=np.float64) / 255.0
+            try:
+                with Image.open(p) as img:
+                    img = img.convert("L" if grayscale else "RGB").resize((size, size), Image.BILINEAR)
+                    arr = np.asarray(img, dtype=np.float64) / 255.0
+            except OSError as exc:  # PIL's UnidentifiedImageError included
+                raise InputError(
+                    f"{p} is not an image PIL can read ({exc}); remove it from the folder"
+                ) from exc
             images.append(arr[None] if grayscale else arr.transpose(2, 0, 1))
             labels.append(k)
     if not images:

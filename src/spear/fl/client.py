@@ -40,9 +40,31 @@ def fedsgd_gradients(model: nn.Module, inputs: torch.Tensor, labels: torch.Tenso
     """The FedSGD update: gradients of the mean cross-entropy over the batch, by parameter name.
 
     The model is left unchanged (its .grad fields are restored)."""
+    _check_labelled_batch(model, inputs, labels)
     params = dict(model.named_parameters())
     grads = torch.autograd.grad(nn.functional.cross_entropy(model(inputs), labels), list(params.values()))
     return {name: g.detach().clone() for name, g in zip(params, grads, strict=True)}
+
+
+def _check_labelled_batch(model: nn.Module, inputs: torch.Tensor, labels: torch.Tensor) -> None:
+    """Inputs in the model's dtype and one integer class label each, within its outputs."""
+    dtype = next(model.parameters()).dtype
+    if not isinstance(inputs, torch.Tensor) or inputs.dtype != dtype:
+        got = inputs.dtype if isinstance(inputs, torch.Tensor) else type(inputs).__name__
+        raise InputError(f"inputs must be a tensor in the model's dtype {dtype}, got {got}")
+    if not isinstance(labels, torch.Tensor) or labels.dtype != torch.long or labels.shape != inputs.shape[:1]:
+        got = (
+            f"{labels.dtype} {tuple(labels.shape)}"
+            if isinstance(labels, torch.Tensor)
+            else type(labels).__name__
+        )
+        raise InputError(
+            f"labels must be a long tensor of shape ({inputs.shape[0]},), one class per input; got {got}"
+        )
+    linear = [m for m in model.modules() if isinstance(m, nn.Linear)]
+    classes = linear[-1].out_features if linear else None
+    if labels.numel() and (int(labels.min()) < 0 or (classes is not None and int(labels.max()) >= classes)):
+        raise InputError(f"labels must lie in [0, {classes}) for this model's {classes} outputs")
 
 
 def layer_inputs(model: nn.Module, layer: str, inputs: torch.Tensor) -> torch.Tensor:
@@ -147,6 +169,16 @@ def simulate_round(
     from spear.fl.protocols import FedSGD
 
     protocol = protocol or FedSGD()
+    if not hasattr(protocol, "client_update"):
+        raise InputError(
+            f"protocol must be a spear.fl.protocols Protocol (e.g. FedAvg(...)), got {protocol!r:.40}"
+        )
+    if not hasattr(dataset, "features") or not hasattr(dataset, "normalize"):
+        raise InputError(
+            f"dataset must be a spear.data data set (load_dataset(...)), got {type(dataset).__name__}"
+        )
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        raise InputError(f"batch_size must be an integer >= 1, got {batch_size!r}")
     if clients < 1:
         raise InputError(f"the number of clients must be >= 1 (got {clients})")
     protocol.check_batch(batch_size)

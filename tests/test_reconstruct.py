@@ -386,3 +386,40 @@ def test_numpy_gradients_of_any_byte_order_or_strides_are_read():
     rec = spear.attack_layer(model, "0", update, seed=0)
     assert rec.verified
     assert_exact(rec.inputs, x)
+
+
+def _deep_update(model):
+    from spear.fl import fedsgd_gradients
+
+    x = torch.randn(8, 50, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    return fedsgd_gradients(model, x, torch.arange(8) % 10)
+
+
+def test_messages_point_at_the_cause():
+    """Review 26: a negated update blamed the loss, a gradient of 1e-200 asked to lower rank_rtol,
+    ReLU6 was said to give no zeros, and BatchNorm in training mode asked whether a ReLU follows."""
+    from spear.errors import NoSparsityError
+    from spear.fl import fully_connected
+
+    model = fully_connected(50, 100, 3, seed=0, dtype=torch.float64)
+    grads = _deep_update(model)
+    rec = spear.attack_layer(
+        model, "0", {k: -0.05 * v for k, v in grads.items()}, seed=0, max_proposals=20_000
+    )
+    assert not rec.verified and any("negated one" in note for note in rec.notes)
+    W, b = model[0].weight.detach(), model[0].bias.detach()
+    for scale in (1e-200, 1e300):
+        with pytest.raises(InputError, match="rescale the update"):
+            spear.reconstruct(W, b, grads["0.weight"] * scale, grads["0.bias"] * scale)
+    torch.manual_seed(0)
+    for activation, match in (
+        (torch.nn.ReLU6(), "a ReLU clipped at 6"),
+        (torch.nn.BatchNorm1d(100), "batch statistics"),
+    ):
+        net = torch.nn.Sequential(
+            torch.nn.Linear(50, 100), activation, torch.nn.ReLU(), torch.nn.Linear(100, 10)
+        )
+        net = net.double().train()
+        update = _deep_update(net)
+        with pytest.raises(NoSparsityError, match=match):
+            spear.attack_layer(net, "0", update, seed=0, max_proposals=20_000)

@@ -18,6 +18,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from torch.nn.modules.batchnorm import _BatchNorm
 
 from spear.certify import (
     ModelCertifier,
@@ -31,7 +32,7 @@ from spear.core.consistency import Tolerances
 from spear.core.proposers import PROPOSERS, DirectionProposer
 from spear.core.reconstruct import run_attack
 from spear.core.result import AttackOptions, Reconstruction
-from spear.errors import InputError, OversubscribedWarning
+from spear.errors import InputError, NoSparsityError, OversubscribedWarning
 from spear.inversion.base import acting_layers_below, check_takes_the_data
 
 _OPTION_NAMES = {f.name for f in dataclasses.fields(AttackOptions)}
@@ -334,6 +335,14 @@ def reconstruct(
         raise InputError("grad_weight is all zeros: the update carries no information about the batch")
     if not bool(Gb.abs().amax() > 0):
         raise InputError("grad_bias is all zeros: the scale of each sample cannot be recovered (Theorem 3.6)")
+    working = torch.finfo(opts.dtype)
+    size = float(GW.abs().amax())
+    if not working.tiny ** (1 / 3) <= size <= working.max ** (1 / 3):
+        raise InputError(
+            f"grad_weight's largest entry is {size:.1e}: products of such numbers leave {opts.dtype}'s "
+            "range in the factorization; rescale the update (e.g. by a power of 2 for its entries to be "
+            "~1; the samples' weights then read scaled by the same factor)"
+        )
     if certifier is not None and not callable(certifier):
         raise InputError(
             "certifier must be a spear.core.certificate.SampleCertifier (e.g. spear.certify.ModelCertifier; "
@@ -478,7 +487,22 @@ def attack_layer(
             _check_first_layer(model, layer, "sample_weights")
             certifier = WeightedCertifier(certifier, model, sample_weights)
         options["certifier"] = certifier
-    rec = reconstruct(module.weight, module.bias, grads[prefix + "weight"], grads[prefix + "bias"], **options)
+    try:
+        rec = reconstruct(
+            module.weight, module.bias, grads[prefix + "weight"], grads[prefix + "bias"], **options
+        )
+    except NoSparsityError as exc:
+        norms = (
+            [] if tail is None else [m for m in tail.modules() if isinstance(m, _BatchNorm) and m.training]
+        )
+        if not norms:
+            raise
+        raise NoSparsityError(
+            f"{str(exc).rstrip('.')}. The model has {type(norms[0]).__name__} after layer {layer!r}: in "
+            "training mode its batch statistics couple the samples, so dL/dZ is dense even with a "
+            "ReLU; a client that ran the model in eval mode (and the model passed here in eval mode) "
+            "is attacked as usual"
+        ) from exc
     below = _linear_below(model, layer)
     attackable = below is not None and modules[below].bias is not None and f"{below}.weight" in grads
     if options.get("sparsity") == "input" and not rec.verified and attackable:

@@ -104,6 +104,16 @@ def check_sparsity_side(tail: nn.Sequential | None, layer: str, mode: str) -> No
     if tail is None or mode != "output":
         return
     following = activation_after(tail)
+    if isinstance(following, nn.Hardtanh) and following.min_val == 0:  # ReLU6 and its kin
+        from spear.errors import NoSparsityError
+
+        raise NoSparsityError(
+            f"layer {layer!r} is followed by {type(following).__name__} (a ReLU clipped at "
+            f"{following.max_val:g}): attack_layer and its model certificate support ReLU only. Its "
+            "zeros are a ReLU's where no pre-activation reaches the clip, so "
+            "spear.reconstruct(W, b, dW, db) can attack the layer alone (layer-level verification; "
+            "a batch with clipped entries does not verify)"
+        )
     if isinstance(following, DENSE_ACTIVATIONS):
         from spear.errors import NoSparsityError
 

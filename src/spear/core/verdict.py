@@ -157,7 +157,9 @@ class ModelGate:
         return (
             f"the model's certificate fits none of the {self.failed_pinned} samples this layer pins "
             "down: if the client's loss is not per-sample cross-entropy, or the model has dropout or "
-            "batch statistics in training mode, pass loss= or certify=False (layer-level verification)"
+            "batch statistics in training mode, pass loss= or certify=False (layer-level verification); "
+            "if the update is a model delta (W_before - W_after = lr x gradient) or a negated one, "
+            "divide it by the learning rate with the gradient's sign first"
         )
 
     def check(

@@ -244,3 +244,14 @@ def test_ctrl_c_inside_an_attack_stops_the_cascade_with_its_samples(mnist, monke
     monkeypatch.setattr(cascade_module, "attack_layer", interrupted)
     result = attack_model(view.model, view.gradients, ["2", "0"], max_proposals=200, seed=1, max_rounds=3)
     assert result.stop_reason == "interrupted" and len(result.steps) == 1 and result.inputs.shape[0] == 5
+
+
+def test_reconstruct_s_own_keywords_pass_the_up_front_check():
+    """Review 26b: the up-front option check refused certifier=, next_weight= and
+    next_grad_weight=, which attack_model hands to every attack."""
+    model = fully_connected(784, 50, 6, seed=0)
+    grads = {name: torch.ones_like(p) for name, p in model.named_parameters()}
+    result = attack_model(
+        model, grads, certifier=None, next_weight=None, next_grad_weight=None, time_budget=1e-9
+    )
+    assert not result.complete

@@ -95,11 +95,11 @@ def _tiny_model():
         ),
         (
             lambda: fedsgd_gradients(_tiny_model(), torch.zeros(2, 6, dtype=torch.float64), torch.zeros(2)),
-            "long tensor",
+            "soft labels must have the logits' shape",
         ),
         (
             lambda: fedsgd_gradients(_tiny_model(), torch.zeros(2, 6), torch.zeros(2, dtype=torch.long)),
-            "model's dtype",
+            "the model computes in torch.float64",
         ),
         (
             lambda: fedsgd_gradients(
@@ -113,3 +113,56 @@ def test_helpers_name_bad_arguments(call, match):
     """Review 26: each ended in a TypeError, IndexError or RuntimeError from torch or PIL."""
     with pytest.raises(InputError, match=match):
         call()
+
+
+def test_fedsgd_gradients_take_what_cross_entropy_takes():
+    """Review 26b: the first checks refused uint8 and soft labels, integer inputs and models
+    whose last-registered Linear is not the classifier; each is the torch loss's gradient."""
+    torch.manual_seed(0)
+    model = fully_connected(20, 30, 3, 10, seed=0)
+    x, y = torch.rand(4, 20, dtype=torch.float64), torch.tensor([1, 5, 9, 0])
+
+    def reference(net, inputs, target):
+        loss = torch.nn.functional.cross_entropy(net(inputs), target)
+        return torch.autograd.grad(loss, list(net.parameters()))
+
+    soft = torch.softmax(torch.rand(4, 10, dtype=torch.float64), 1)
+    for target, expected in ((y.to(torch.uint8), y), (y.to(torch.int32), y), (soft, soft)):
+        grads = fedsgd_gradients(model, x, target)
+        for got, want in zip(grads.values(), reference(model, x, expected), strict=True):
+            assert torch.equal(got, want)
+
+    class Gated(torch.nn.Module):  # the classifier, then a gate Linear(16, 1) registered after it
+        def __init__(self):
+            super().__init__()
+            self.enc, self.fc, self.gate = (
+                torch.nn.Linear(20, 16),
+                torch.nn.Linear(16, 10),
+                torch.nn.Linear(16, 1),
+            )
+
+        def forward(self, inputs):
+            h = torch.relu(self.enc(inputs))
+            return self.fc(h * torch.sigmoid(self.gate(h)))
+
+    class Tokens(torch.nn.Module):  # integer token ids as inputs
+        def __init__(self):
+            super().__init__()
+            self.emb, self.fc = torch.nn.EmbeddingBag(100, 16), torch.nn.Linear(16, 10)
+
+        def forward(self, inputs):
+            return self.fc(self.emb(inputs))
+
+    for net, inputs in ((Gated().double(), x), (Tokens(), torch.randint(0, 100, (4, 7)))):
+        grads = fedsgd_gradients(net, inputs, y)
+        for got, want in zip(grads.values(), reference(net, inputs, y), strict=True):
+            assert torch.equal(got, want)
+
+
+def test_builders_and_rounds_take_numpy_integers():
+    import numpy as np
+
+    model = fully_connected(64, 20, 2, seed=np.int64(3))
+    assert torch.equal(model[0].weight, fully_connected(64, 20, 2, seed=3)[0].weight)
+    _, truth = simulate_fedsgd(model, load_dataset("digits"), np.int64(4), seed=np.int64(2))
+    assert truth.inputs.shape[0] == 4

@@ -179,3 +179,23 @@ def test_a_non_finite_estimate_is_matched_last_and_not_exact():
     result = evaluate_batch(est, ref, [MSE()])
     assert result.per_sample["exact"] == [True, True, False]
     assert result.exact_samples == 2 and not result.exact
+
+
+def test_no_estimates_integer_references_and_missing_tabular_rows():
+    """Review 26b: zero estimates and an integer reference crashed; a missing tabular row scored
+    the categorical accuracy of argmax(NaN) and entered the means."""
+    from spear.metrics import metrics_for
+
+    ref = images(3)
+    empty = evaluate_batch(ref[:0], ref, [MSE()])
+    assert empty.exact_samples == 0 and all(math.isnan(v) for v in empty.per_sample["mse"])
+    counts = torch.randint(0, 255, (3, 1, 4, 4), generator=torch.Generator().manual_seed(0)).to(torch.uint8)
+    assert evaluate_batch(counts.double(), counts, [MSE()]).exact
+    from spear.data import load_dataset
+
+    adult = load_dataset("adult")
+    rows = adult.normalize(adult.samples[:4].double())
+    result = evaluate_batch(rows[:3].clone(), rows, metrics_for("tabular", schema=adult.schema))
+    for name, values in result.per_sample.items():
+        if name != "exact":
+            assert math.isnan(values[3]) and values[:3] == [1.0, 1.0, 1.0], name

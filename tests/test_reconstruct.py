@@ -423,3 +423,22 @@ def test_messages_point_at_the_cause():
         update = _deep_update(net)
         with pytest.raises(NoSparsityError, match=match):
             spear.attack_layer(net, "0", update, seed=0, max_proposals=20_000)
+
+
+def test_valid_uses_the_new_checks_keep():
+    """Review 26b: a per-sample loss of shape (k, 1) (log_softmax(...).gather(1, y[:, None])) was
+    refused, and float32 working dtypes refused gradients of 1e-21 or 1e15 that recover exactly."""
+    model, x, grads = _small_update()
+
+    def gathered(logits, labels):
+        return -torch.log_softmax(logits, dim=1).gather(1, labels[:, None])
+
+    rec = spear.attack_layer(model, "0", grads, seed=0, loss=gathered)
+    assert rec.verified and rec.verified_by == "model"
+    W, b = model[0].weight.detach(), model[0].bias.detach()
+    for size in (1e-21, 1e15):  # the largest entry
+        scale = size / float(grads["0.weight"].abs().max())
+        sized = grads["0.weight"] * scale
+        rec = spear.reconstruct(W, b, sized, grads["0.bias"] * scale, dtype=torch.float32, seed=0)
+        assert rec.verified
+        assert_exact(rec.inputs.double(), x, rtol=1e-4)

@@ -335,9 +335,11 @@ def reconstruct(
         raise InputError("grad_weight is all zeros: the update carries no information about the batch")
     if not bool(Gb.abs().amax() > 0):
         raise InputError("grad_bias is all zeros: the scale of each sample cannot be recovered (Theorem 3.6)")
+    # the factorization forms sums of squares of the entries: they must neither all underflow to
+    # zero nor overflow (float64: 2e-162 .. 1e151; float32: 4e-23 .. 2e16)
     working = torch.finfo(opts.dtype)
     size = float(GW.abs().amax())
-    if not working.tiny ** (1 / 3) <= size <= working.max ** (1 / 3):
+    if not math.sqrt(working.tiny * working.eps) <= size <= math.sqrt(working.max) / 1e3:
         raise InputError(
             f"grad_weight's largest entry is {size:.1e}: products of such numbers leave {opts.dtype}'s "
             "range in the factorization; rescale the update (e.g. by a power of 2 for its entries to be "

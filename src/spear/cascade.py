@@ -195,8 +195,16 @@ def per_sample_gradients(
     }
 
 
-#: :func:`spear.attack_layer`'s own keywords (the others are :func:`spear.reconstruct`'s options)
-_LAYER_ONLY_OPTIONS = {"certify", "sample_weights", "precision_audit"}
+#: keywords of :func:`spear.attack_layer` and :func:`spear.reconstruct` that are not
+#: :class:`~spear.core.result.AttackOptions` (those are checked up front)
+_LAYER_ONLY_OPTIONS = {
+    "certify",
+    "sample_weights",
+    "precision_audit",
+    "certifier",
+    "next_grad_weight",
+    "next_weight",
+}
 
 
 def attack_model(

@@ -198,6 +198,8 @@ class ModelCertifier:
                 losses = self.loss(self.tail(z), labels.to(z.device))
             except TypeError as exc:  # the user's loss does not take (logits, labels)
                 raise InputError(f"loss(logits, labels) could not be called: {exc}") from exc
+            if isinstance(losses, torch.Tensor) and losses.numel() == labels.numel():
+                losses = losses.reshape(labels.shape)  # (k, 1) as (k,)
             if not isinstance(losses, torch.Tensor) or losses.shape != labels.shape:
                 shape = tuple(losses.shape) if isinstance(losses, torch.Tensor) else type(losses).__name__
                 raise InputError(

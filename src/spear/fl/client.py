@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import math
+import numbers
 from dataclasses import dataclass, field
 
 import torch
@@ -40,31 +41,45 @@ def fedsgd_gradients(model: nn.Module, inputs: torch.Tensor, labels: torch.Tenso
     """The FedSGD update: gradients of the mean cross-entropy over the batch, by parameter name.
 
     The model is left unchanged (its .grad fields are restored)."""
-    _check_labelled_batch(model, inputs, labels)
     params = dict(model.named_parameters())
-    grads = torch.autograd.grad(nn.functional.cross_entropy(model(inputs), labels), list(params.values()))
+    logits = model(_checked_inputs(model, inputs))
+    loss = nn.functional.cross_entropy(logits, _checked_labels(labels, logits))
+    grads = torch.autograd.grad(loss, list(params.values()))
     return {name: g.detach().clone() for name, g in zip(params, grads, strict=True)}
 
 
-def _check_labelled_batch(model: nn.Module, inputs: torch.Tensor, labels: torch.Tensor) -> None:
-    """Inputs in the model's dtype and one integer class label each, within its outputs."""
+def _checked_inputs(model: nn.Module, inputs: torch.Tensor) -> torch.Tensor:
+    """Floating-point inputs in the model's dtype (integer inputs, e.g. token ids, pass as they are)."""
+    if not isinstance(inputs, torch.Tensor):
+        raise InputError(f"inputs must be a tensor, got {type(inputs).__name__}")
     dtype = next(model.parameters()).dtype
-    if not isinstance(inputs, torch.Tensor) or inputs.dtype != dtype:
-        got = inputs.dtype if isinstance(inputs, torch.Tensor) else type(inputs).__name__
-        raise InputError(f"inputs must be a tensor in the model's dtype {dtype}, got {got}")
-    if not isinstance(labels, torch.Tensor) or labels.dtype != torch.long or labels.shape != inputs.shape[:1]:
-        got = (
-            f"{labels.dtype} {tuple(labels.shape)}"
-            if isinstance(labels, torch.Tensor)
-            else type(labels).__name__
-        )
+    if inputs.is_floating_point() and inputs.dtype != dtype:
         raise InputError(
-            f"labels must be a long tensor of shape ({inputs.shape[0]},), one class per input; got {got}"
+            f"inputs are {inputs.dtype} but the model computes in {dtype}; cast one to the other"
         )
-    linear = [m for m in model.modules() if isinstance(m, nn.Linear)]
-    classes = linear[-1].out_features if linear else None
-    if labels.numel() and (int(labels.min()) < 0 or (classes is not None and int(labels.max()) >= classes)):
+    return inputs
+
+
+def _checked_labels(labels: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+    """Class indices (any integer dtype, as long) within the logits' classes, or class
+    probabilities of the logits' shape, one row per input."""
+    if not isinstance(labels, torch.Tensor):
+        raise InputError(f"labels must be a tensor, got {type(labels).__name__}")
+    batch, classes = logits.shape[0], logits.shape[-1]
+    if labels.is_floating_point():  # soft labels: one distribution per input
+        if labels.shape != logits.shape:
+            raise InputError(
+                f"soft labels must have the logits' shape {tuple(logits.shape)}, got {tuple(labels.shape)}"
+            )
+        return labels
+    if labels.dtype == torch.bool or labels.is_complex() or labels.shape != (batch,):
+        raise InputError(
+            f"labels must be class indices of shape ({batch},) (or float class probabilities of shape "
+            f"{tuple(logits.shape)}); got {labels.dtype} {tuple(labels.shape)}"
+        )
+    if labels.numel() and (int(labels.min()) < 0 or int(labels.max()) >= classes):
         raise InputError(f"labels must lie in [0, {classes}) for this model's {classes} outputs")
+    return labels.long()
 
 
 def layer_inputs(model: nn.Module, layer: str, inputs: torch.Tensor) -> torch.Tensor:
@@ -177,8 +192,10 @@ def simulate_round(
         raise InputError(
             f"dataset must be a spear.data data set (load_dataset(...)), got {type(dataset).__name__}"
         )
-    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-        raise InputError(f"batch_size must be an integer >= 1, got {batch_size!r}")
+    for name, value, least in (("batch_size", batch_size, 1), ("seed", seed, 0)):
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < least:
+            raise InputError(f"{name} must be an integer >= {least}, got {value!r}")
+    batch_size, seed = int(batch_size), int(seed)
     if clients < 1:
         raise InputError(f"the number of clients must be >= 1 (got {clients})")
     protocol.check_batch(batch_size)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Callable
 
 import torch
@@ -30,7 +31,7 @@ def _normal(layer: nn.Linear) -> None:
 #: weight initialisations; "default" is PyTorch's (Kaiming-uniform weights, uniform bias)
 def _check_build(seed: int, dtype: torch.dtype) -> None:
     """A model's seed and dtype, checked before torch sees them."""
-    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed <= 2**63 - 1:
+    if isinstance(seed, bool) or not isinstance(seed, numbers.Integral) or not 0 <= seed <= 2**63 - 1:
         raise InputError(f"seed must be an integer in [0, 2**63 - 1], got {seed!r}")
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
         raise InputError(
@@ -69,7 +70,7 @@ def fully_connected(
     if init not in INITS:
         raise InputError(f"unknown init {init!r}; choose one of {sorted(INITS)}")
     _check_build(seed, dtype)
-    torch.manual_seed(seed)
+    torch.manual_seed(int(seed))
     sizes = [in_features] + [width] * (depth - 1)
     layers: list[nn.Module] = []
     for i in range(depth - 1):
@@ -100,7 +101,7 @@ def shallow_mlp(
     if not first_std > 0:
         raise InputError(f"first_std must be positive, got {first_std}")
     _check_build(seed, dtype)
-    torch.manual_seed(seed)
+    torch.manual_seed(int(seed))
     first, second = nn.Linear(in_features, width), nn.Linear(width, classes)
     nn.init.normal_(first.weight, std=first_std)
     nn.init.xavier_uniform_(second.weight)
@@ -134,7 +135,7 @@ def small_cnn(
     if hidden < 2 or classes < 2:
         raise InputError("hidden must be >= 2 and classes >= 2")
     _check_build(seed, dtype)
-    torch.manual_seed(seed)
+    torch.manual_seed(int(seed))
     conv = nn.Sequential(
         nn.Unflatten(1, (channels, height, width)),
         nn.Conv2d(channels, 6, 5, padding=2),
@@ -198,7 +199,7 @@ def vgg(
     if not head or min(head) < 2 or classes < 2:
         raise InputError("the head needs at least one hidden layer of width >= 2, and classes >= 2")
     _check_build(seed, dtype)
-    torch.manual_seed(seed)
+    torch.manual_seed(int(seed))
     layers: list[nn.Module] = [nn.Unflatten(1, (channels, height, width))]
     previous = channels
     for entry in config:

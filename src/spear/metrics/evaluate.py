@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -31,7 +32,7 @@ def _check_samples(estimate: torch.Tensor, reference: torch.Tensor) -> None:
     for name, value in (("estimate", estimate), ("reference", reference)):
         if not isinstance(value, torch.Tensor) or value.dim() < 2:
             raise InputError(f"{name} must be a tensor of samples, (k, ...) with k first; got {value!r:.80}")
-    if estimate[0].numel() != reference[0].numel():
+    if math.prod(estimate.shape[1:]) != math.prod(reference.shape[1:]):
         raise InputError(
             f"estimate samples have shape {tuple(estimate.shape[1:])} and reference samples "
             f"{tuple(reference.shape[1:])}: they must hold as many features each"
@@ -92,12 +93,16 @@ def evaluate_batch(
             "samples: pass at most one estimate per sample (an attack's own choice of them)"
         )
     est_idx, ref_idx = match_samples(estimate, reference)
-    ordered = torch.full_like(reference, torch.nan)
-    ordered[ref_idx] = estimate[est_idx].reshape(-1, *reference.shape[1:]).to(reference.dtype)
+    dtype = reference.dtype if reference.is_floating_point() else torch.float64
+    ordered = torch.full(reference.shape, torch.nan, dtype=dtype, device=reference.device)
+    ordered[ref_idx] = estimate[est_idx].reshape(-1, *reference.shape[1:]).to(dtype)
+    missing = torch.ones(len(reference), dtype=torch.bool)
+    missing[ref_idx] = False
     per_sample: dict[str, list[float]] = {}
     means: dict[str, float] = {}
     for metric in metrics:
         values = metric(ordered, reference) if metric.available() else torch.full((len(reference),), np.nan)
+        values = torch.where(missing, torch.nan, values.double().cpu())  # whatever a metric makes of NaN rows
         per_sample[metric.name] = [float(v) for v in values]
         means[metric.name] = float(values.double().nanmean())
     exact = batch_exact(ordered, reference, exact_atol)

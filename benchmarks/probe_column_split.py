@@ -227,14 +227,17 @@ class ColumnSplitter:
         return self.found.shape[0] - before, counts
 
 
-def score(found: torch.Tensor, truth: torch.Tensor) -> tuple[int, int]:
-    """(right, wrong): found unit columns that are / are not a true column to 1e-6."""
+def score(found: torch.Tensor, truth: torch.Tensor) -> tuple[int, int, set[int]]:
+    """(right, wrong, the samples found): found unit columns that are / are not a true column
+    (m, b) to 1e-6."""
     unit = truth / truth.abs().amax(0, keepdim=True)
-    right = 0
+    samples: set[int] = set()
     for column in found:
         error = torch.minimum((unit - column[:, None]).abs().amax(0), (unit + column[:, None]).abs().amax(0))
-        right += int(error.min() <= 1e-6)
-    return right, found.shape[0] - right
+        if float(error.min()) <= 1e-6:
+            samples.add(int(error.argmin()))
+    right = len(samples)
+    return right, found.shape[0] - right, samples
 
 
 def left_in_columns(splitter: ColumnSplitter, truth: torch.Tensor, right: set[int]) -> dict:
@@ -265,10 +268,7 @@ def probe(dataset, b: int, seed: int, rounds: int) -> dict:
         if not new:
             break
     columns = per_sample_columns(model, truth.inputs.double(), truth.labels)
-    right, wrong = score(splitter.found, columns)
-    unit = columns / columns.abs().amax(0, keepdim=True)
-    ids = {int(torch.minimum((unit - c[:, None]).abs().amax(0), (unit + c[:, None]).abs().amax(0)).argmin())
-           for c in splitter.found}  # fmt: skip
+    right, wrong, ids = score(splitter.found, columns)
     return {
         "seed": seed,
         "found": splitter.found.shape[0],

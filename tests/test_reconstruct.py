@@ -442,3 +442,30 @@ def test_valid_uses_the_new_checks_keep():
         rec = spear.reconstruct(W, b, sized, grads["0.bias"] * scale, dtype=torch.float32, seed=0)
         assert rec.verified
         assert_exact(rec.inputs.double(), x, rtol=1e-4)
+
+
+def test_a_dense_narrow_layer_says_its_candidates_hold_only_forced_zeros():
+    """Review 26: a dense gradient on a layer narrower than 4 b (m = 30, b = 10) fills the pool
+    with proposals' own b - 1 zeros (the threshold is 4 rows) and runs to its budget with no
+    word of density. After Lemma 5.2's expected count it says so; cut short, or on a ReLU
+    layer, it does not."""
+    from spear import theory
+
+    g = torch.Generator().manual_seed(0)
+    m, n, b = 30, 50, 10
+    W, bias = (
+        torch.randn(m, n, generator=g, dtype=torch.float64),
+        torch.randn(m, generator=g, dtype=torch.float64),
+    )
+    X, dZ = (
+        torch.randn(b, n, generator=g, dtype=torch.float64),
+        torch.randn(m, b, generator=g, dtype=torch.float64),
+    )
+    enough = int(theory.expected_proposals(b)) + 1
+    rec = spear.reconstruct(W, bias, dZ @ X, dZ.sum(1), seed=0, max_proposals=enough)
+    assert not rec.verified and any("no sparsity the search did not force" in note for note in rec.notes)
+    short = spear.reconstruct(W, bias, dZ @ X, dZ.sum(1), seed=0, max_proposals=enough // 4)
+    assert not any("did not force" in note for note in short.notes)
+    relu = dZ * (torch.randn(m, b, generator=g, dtype=torch.float64) > 0)
+    rec = spear.reconstruct(W, bias, relu @ X, relu.sum(1), seed=0, max_proposals=enough)
+    assert not any("did not force" in note for note in rec.notes)

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
+from spear import theory
 from spear.core.filtering import SnapResult, snap_and_filter
 from spear.core.proposers.base import DirectionProposer, ProposalContext
 from spear.core.proposers.neurons import NeuronGuidedSampler
@@ -158,6 +159,30 @@ def no_sparsity_message(
     return (
         f"{found}: the {side} is dense. Is the layer {where} by a ReLU? Otherwise try "
         f"sparsity='input'/'output', or check the gradient was not noised.{forced}"
+    )
+
+
+def forced_zeros_note(zero_counts: torch.Tensor, b: int, rows: int, mode: str, drawn: int) -> str | None:
+    """For an unverified run: when every candidate has exactly the ``b - 1`` exact zeros its
+    proposal chose, the search saw no sparsity it did not force. The sparsity probe raises
+    :class:`~spear.errors.NoSparsityError` only for layers ``DIAGNOSABLE_RATIO`` times wider than
+    the batch, where the threshold keeps such candidates out; on narrower ones they pass it and
+    the run goes on to its budget (a dense m = 30, b = 10 gradient: 1e6 proposals). A ReLU's
+    column has about half its rows zero, so this says what the run could not decide; only after
+    ``drawn`` proposals reach Lemma 5.2's expected count (a ReLU layer's columns come by then,
+    while a run cut short can hold mixtures alone, each with b - 1 zeros)."""
+    # exactly b - 1 each: columns pinned by a known head can have fewer zeros than b - 1, but
+    # not all exactly that many
+    if zero_counts.numel() == 0 or not bool((zero_counts == b - 1).all()):
+        return None
+    if drawn < theory.expected_proposals(b):
+        return None
+    side, where = ("output gradient dL/dZ", "followed") if mode == "output" else ("input X", "preceded")
+    return (
+        f"every candidate direction ({zero_counts.numel()}) vanishes only on the b - 1 = {b - 1} rows its "
+        f"proposal chose, of {rows}: the {side} shows no sparsity the search did not force (a ReLU's "
+        f"column has about half its rows zero). Is the layer {where} by a ReLU, and was the gradient "
+        "not noised?"
     )
 
 

@@ -37,6 +37,7 @@ from spear.core.diagnosis import (
     adapted_threshold,
     below_threshold_note,
     faint_batch_note,
+    forced_zeros_note,
     no_sparsity_message,
     probe_sparse_directions,
     relu_sparse,
@@ -1259,11 +1260,15 @@ def finish(
     if (verdict is None or not verdict.verified) and not setup.split.noisy:
         eps = torch.finfo(setup.source_dtype).eps
         faint = faint_batch_note(setup.split.singular_values, b, eps, setup.tol.verify_rtol)
+    forced = None
+    if attack is not None and (verdict is None or not verdict.verified):
+        forced = forced_zeros_note(attack.pool.zero_counts, b, rows, opts.sparsity, attack.drawn)
     notes = tuple(
         ([] if attack is None else attack.notes)
         + ([] if gate.note is None else [gate.note])
         + ([] if verdict is None else verdict.notes)
         + ([] if faint is None else [faint])
+        + ([] if forced is None else [forced])
     )
     common = {
         "batch_size": b,

@@ -166,3 +166,10 @@ def test_builders_and_rounds_take_numpy_integers():
     assert torch.equal(model[0].weight, fully_connected(64, 20, 2, seed=3)[0].weight)
     _, truth = simulate_fedsgd(model, load_dataset("digits"), np.int64(4), seed=np.int64(2))
     assert truth.inputs.shape[0] == 4
+
+
+def test_a_frozen_parameter_sends_no_gradient():
+    model = fully_connected(20, 30, 3, 10, seed=0)
+    model[2].requires_grad_(False)
+    grads = fedsgd_gradients(model, torch.rand(4, 20, dtype=torch.float64), torch.tensor([1, 5, 9, 0]))
+    assert sorted(grads) == ["0.bias", "0.weight", "4.bias", "4.weight"]

@@ -40,8 +40,9 @@ class ClientBatch:
 def fedsgd_gradients(model: nn.Module, inputs: torch.Tensor, labels: torch.Tensor) -> dict[str, torch.Tensor]:
     """The FedSGD update: gradients of the mean cross-entropy over the batch, by parameter name.
 
-    The model is left unchanged (its .grad fields are restored)."""
-    params = dict(model.named_parameters())
+    The model is left unchanged (its .grad fields are restored). Frozen parameters
+    (``requires_grad=False``) send no gradient and are left out, as a client's optimizer does."""
+    params = {name: p for name, p in model.named_parameters() if p.requires_grad}
     logits = model(_checked_inputs(model, inputs))
     loss = nn.functional.cross_entropy(logits, _checked_labels(labels, logits))
     grads = torch.autograd.grad(loss, list(params.values()))

@@ -66,16 +66,18 @@ def _checked_labels(labels: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
     probabilities of the logits' shape, one row per input."""
     if not isinstance(labels, torch.Tensor):
         raise InputError(f"labels must be a tensor, got {type(labels).__name__}")
-    batch, classes = logits.shape[0], logits.shape[-1]
+    # cross-entropy's classes are dimension 1 of (B, C) or (B, C, d1, ...) logits
+    classes = logits.shape[1] if logits.ndim > 1 else logits.shape[0]
+    expected = (logits.shape[0], *logits.shape[2:]) if logits.ndim > 1 else ()
     if labels.is_floating_point():  # soft labels: one distribution per input
         if labels.shape != logits.shape:
             raise InputError(
                 f"soft labels must have the logits' shape {tuple(logits.shape)}, got {tuple(labels.shape)}"
             )
         return labels
-    if labels.dtype == torch.bool or labels.is_complex() or labels.shape != (batch,):
+    if labels.dtype == torch.bool or labels.is_complex() or tuple(labels.shape) != expected:
         raise InputError(
-            f"labels must be class indices of shape ({batch},) (or float class probabilities of shape "
+            f"labels must be class indices of shape {expected} (or float class probabilities of shape "
             f"{tuple(logits.shape)}); got {labels.dtype} {tuple(labels.shape)}"
         )
     if labels.numel() and (int(labels.min()) < 0 or int(labels.max()) >= classes):

@@ -194,8 +194,9 @@ class ModelCertifier:
         """``d loss(tail(z_j), y_j) / dz`` for pre-activations (k, m) and their labels (k,)."""
         z = z.detach().requires_grad_(True)
         with torch.enable_grad():
+            logits = self.tail(z)
             try:
-                losses = self.loss(self.tail(z), labels.to(z.device))
+                losses = self.loss(logits, labels.to(z.device))
             except TypeError as exc:  # the user's loss does not take (logits, labels)
                 raise InputError(f"loss(logits, labels) could not be called: {exc}") from exc
             if isinstance(losses, torch.Tensor) and losses.numel() == labels.numel():

@@ -20,6 +20,7 @@ import numpy as np
 import torch
 from torch.nn.modules.batchnorm import _BatchNorm
 
+from spear import checks
 from spear.certify import (
     ModelCertifier,
     SampleWeights,
@@ -77,24 +78,6 @@ def _resolve_device(device: str) -> torch.device:
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise InputError("device='cuda' was requested but CUDA is not available here; use device='cpu'")
     return dev
-
-
-#: the largest seed (torch.Generator.manual_seed takes a signed 64-bit integer's range)
-MAX_SEED = 2**63 - 1
-
-
-def _integer(
-    name: str, value: Any, minimum: int, allow_none: bool = False, maximum: int | None = None
-) -> int | None:
-    if value is None and allow_none:
-        return None
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise InputError(f"{name} must be an integer{' or None' if allow_none else ''}, got {value!r}")
-    if int(value) < minimum:
-        raise InputError(f"{name} must be >= {minimum}, got {value}")
-    if maximum is not None and int(value) > maximum:
-        raise InputError(f"{name} must be <= {maximum}, got {value}")
-    return int(value)
 
 
 def _fraction(name: str, value: Any) -> float | None:
@@ -209,11 +192,11 @@ def build_options(options: Mapping[str, Any]) -> AttackOptions:
         raise InputError(f"unknown option(s) {sorted(unknown)}; valid options are {sorted(_OPTION_NAMES)}")
     opts = AttackOptions(**options)
     fixed = {
-        "seed": _integer("seed", opts.seed, 0, maximum=MAX_SEED),
-        "max_proposals": _integer("max_proposals", opts.max_proposals, 0, allow_none=True),
-        "chunk_size": _integer("chunk_size", opts.chunk_size, 1),
-        "batch_size": _integer("batch_size", opts.batch_size, 1, allow_none=True),
-        "clients": _integer("clients", opts.clients, 1),
+        "seed": checks.seed(opts.seed),
+        "max_proposals": checks.integer("max_proposals", opts.max_proposals, 0, allow_none=True),
+        "chunk_size": checks.integer("chunk_size", opts.chunk_size, 1),
+        "batch_size": checks.integer("batch_size", opts.batch_size, 1, allow_none=True),
+        "clients": checks.integer("clients", opts.clients, 1),
         "p_fr": _fraction("p_fr", opts.p_fr),
         "rank_rtol": _fraction("rank_rtol", opts.rank_rtol),
         "zero_rtol": _fraction("zero_rtol", opts.zero_rtol),

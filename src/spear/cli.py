@@ -16,7 +16,7 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from spear import theory as theory_module
-from spear.api import MAX_SEED
+from spear.checks import MAX_SEED
 from spear.core.result import ProgressEvent
 from spear.errors import SpearError
 

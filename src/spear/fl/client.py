@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import copy
 import math
-import numbers
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
+from spear import checks
 from spear.data.base import ImageDataset, sample_batch
 from spear.errors import InputError
 from spear.fl.protocols.base import Protocol
@@ -195,10 +195,7 @@ def simulate_round(
         raise InputError(
             f"dataset must be a spear.data data set (load_dataset(...)), got {type(dataset).__name__}"
         )
-    for name, value, least in (("batch_size", batch_size, 1), ("seed", seed, 0)):
-        if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < least:
-            raise InputError(f"{name} must be an integer >= {least}, got {value!r}")
-    batch_size, seed = int(batch_size), int(seed)
+    batch_size, seed = checks.integer("batch_size", batch_size, 1), checks.seed(seed)
     if clients < 1:
         raise InputError(f"the number of clients must be >= 1 (got {clients})")
     protocol.check_batch(batch_size)

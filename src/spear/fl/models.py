@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import math
-import numbers
 from collections.abc import Callable
 
 import torch
 from torch import nn
 
+from spear import checks
 from spear.errors import InputError
 from spear.inversion.base import PASS_THROUGH, keeps_zeros
 
@@ -28,17 +28,23 @@ def _normal(layer: nn.Linear) -> None:
     nn.init.normal_(layer.bias, std=0.05)
 
 
-#: weight initialisations; "default" is PyTorch's (Kaiming-uniform weights, uniform bias)
-def _check_build(seed: int, dtype: torch.dtype) -> None:
-    """A model's seed and dtype, checked before torch sees them."""
-    if isinstance(seed, bool) or not isinstance(seed, numbers.Integral) or not 0 <= seed <= 2**63 - 1:
-        raise InputError(f"seed must be an integer in [0, 2**63 - 1], got {seed!r}")
+def _seeded(seed: int, dtype: torch.dtype) -> None:
+    """Check a model's seed and dtype before torch sees them, and seed torch's generator."""
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
         raise InputError(
             f"dtype must be a floating-point torch.dtype (torch.float64, torch.float32), got {dtype!r}"
         )
+    torch.manual_seed(checks.seed(seed))
 
 
+def _image_shape(image_shape: tuple[int, int, int]) -> tuple[int, int, int]:
+    if not isinstance(image_shape, (tuple, list)) or len(image_shape) != 3:
+        raise InputError(f"image_shape must be (channels, height, width), got {image_shape!r}")
+    channels, height, width = image_shape
+    return channels, height, width
+
+
+#: weight initialisations; "default" is PyTorch's (Kaiming-uniform weights, uniform bias)
 INITS: dict[str, Callable[[nn.Linear], None] | None] = {
     "default": None,
     "kaiming": _kaiming,
@@ -69,8 +75,7 @@ def fully_connected(
         raise InputError("width must be >= 2, in_features >= 1, classes >= 2")
     if init not in INITS:
         raise InputError(f"unknown init {init!r}; choose one of {sorted(INITS)}")
-    _check_build(seed, dtype)
-    torch.manual_seed(int(seed))
+    _seeded(seed, dtype)
     sizes = [in_features] + [width] * (depth - 1)
     layers: list[nn.Module] = []
     for i in range(depth - 1):
@@ -100,8 +105,7 @@ def shallow_mlp(
         raise InputError("width must be >= 2, in_features >= 1, classes >= 2")
     if not first_std > 0:
         raise InputError(f"first_std must be positive, got {first_std}")
-    _check_build(seed, dtype)
-    torch.manual_seed(int(seed))
+    _seeded(seed, dtype)
     first, second = nn.Linear(in_features, width), nn.Linear(width, classes)
     nn.init.normal_(first.weight, std=first_std)
     nn.init.xavier_uniform_(second.weight)
@@ -127,15 +131,12 @@ def small_cnn(
 
     With 28x28 inputs (MNIST) the features are 16 x 5 x 5 = 400, as in LeNet-5 on 32x32.
     """
-    if not isinstance(image_shape, (tuple, list)) or len(image_shape) != 3:
-        raise InputError(f"image_shape must be (channels, height, width), got {image_shape!r}")
-    channels, height, width = image_shape
+    channels, height, width = _image_shape(image_shape)
     if min(channels, height, width) < 1 or height < 12 or width < 12:
         raise InputError(f"small_cnn needs images of at least 12x12 pixels, got {image_shape}")
     if hidden < 2 or classes < 2:
         raise InputError("hidden must be >= 2 and classes >= 2")
-    _check_build(seed, dtype)
-    torch.manual_seed(int(seed))
+    _seeded(seed, dtype)
     conv = nn.Sequential(
         nn.Unflatten(1, (channels, height, width)),
         nn.Conv2d(channels, 6, 5, padding=2),
@@ -187,9 +188,7 @@ def vgg(
     head's first Linear (:func:`feature_layer`); its inputs, the conv features, are nonnegative
     and sparse after ReLU and pooling.
     """
-    if not isinstance(image_shape, (tuple, list)) or len(image_shape) != 3:
-        raise InputError(f"image_shape must be (channels, height, width), got {image_shape!r}")
-    channels, height, width = image_shape
+    channels, height, width = _image_shape(image_shape)
     pools = sum(1 for c in config if c == "M")
     if min(channels, height, width) < 1 or min(height, width) < 2**pools:
         raise InputError(
@@ -198,8 +197,7 @@ def vgg(
         )
     if not head or min(head) < 2 or classes < 2:
         raise InputError("the head needs at least one hidden layer of width >= 2, and classes >= 2")
-    _check_build(seed, dtype)
-    torch.manual_seed(int(seed))
+    _seeded(seed, dtype)
     layers: list[nn.Module] = [nn.Unflatten(1, (channels, height, width))]
     previous = channels
     for entry in config:

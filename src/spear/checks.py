@@ -1,0 +1,35 @@
+"""Argument checks shared by every layer of the package (the API, the FL simulation, the model
+builders), so an argument is refused with the same words wherever it is passed."""
+
+from __future__ import annotations
+
+import numbers
+from typing import Any
+
+from spear.errors import InputError
+
+#: the largest seed (torch.Generator.manual_seed takes a signed 64-bit integer's range)
+MAX_SEED = 2**63 - 1
+
+
+def integer(
+    name: str, value: Any, minimum: int, allow_none: bool = False, maximum: int | None = None
+) -> int | None:
+    """``value`` as an int (numpy integers included, bools not) within ``[minimum, maximum]``;
+    None where ``allow_none``; otherwise an InputError naming ``name``."""
+    if value is None and allow_none:
+        return None
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise InputError(f"{name} must be an integer{' or None' if allow_none else ''}, got {value!r}")
+    if int(value) < minimum:
+        raise InputError(f"{name} must be >= {minimum}, got {value}")
+    if maximum is not None and int(value) > maximum:
+        raise InputError(f"{name} must be <= {maximum}, got {value}")
+    return int(value)
+
+
+def seed(value: Any) -> int:
+    """A seed torch's generators take: an integer in ``[0, MAX_SEED]``."""
+    checked = integer("seed", value, 0, maximum=MAX_SEED)
+    assert checked is not None
+    return checked

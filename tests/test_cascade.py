@@ -252,6 +252,6 @@ def test_reconstruct_s_own_keywords_pass_the_up_front_check():
     model = fully_connected(784, 50, 6, seed=0)
     grads = {name: torch.ones_like(p) for name, p in model.named_parameters()}
     result = attack_model(
-        model, grads, certifier=None, next_weight=None, next_grad_weight=None, time_budget=1e-9
+        model, grads, certifier=None, next_weight=None, next_grad_weight=None, max_proposals=0, max_rounds=1
     )
     assert not result.complete

@@ -2,10 +2,11 @@
 
 Without a ReLU on the sparse side (a layer followed by tanh, say) no direction ``q`` gives
 ``L q`` more than ``b - 1`` zeros, and the exponential sampler would search until its budget
-ends. The probe asks the two proposers that find sparse directions fastest where SPEAR can work
-at all: ICA + IRLS (small batches) and neuron-guided sampling (large ones, output sparsity), one
-call each, snapped exactly. On a ReLU layer that the attack can recover, one of them finds
-candidates at once (their directions join the pool); on a dense one neither can. The probe only
+ends. The probe asks the proposers that find sparse directions fastest where SPEAR can work at
+all: ICA + IRLS (small batches), neuron-guided sampling (large ones, output sparsity) and vertex
+descent (nonnegative inputs, input sparsity), one call each, snapped exactly. On a ReLU layer
+that the attack can recover, one of them finds candidates at once (their directions join the
+pool); on a dense one none can. The probe only
 runs once the attack's own proposers found nothing, and it is not trusted where the layer is too
 narrow for its batch (``rows < DIAGNOSABLE_RATIO * b``): there the attack just goes on.
 """
@@ -19,23 +20,22 @@ import torch
 
 from spear import theory
 from spear.core.filtering import SnapResult, snap_and_filter
-from spear.core.proposers.base import DirectionProposer, ProposalContext
+from spear.core.proposers.base import DirectionProposer, ProposalContext, relu_sparse
 from spear.core.proposers.neurons import NeuronGuidedSampler
 from spear.core.proposers.sparse_recovery import SparseRecoveryProposer
+from spear.core.proposers.vertices import VertexProposer
+from spear.core.proposers.vertices import applicable as vertices_apply
 
 #: proposer calls that found nothing before the probe runs
 PROBE_AFTER_CALLS = 3
 #: IRLS finds sparse directions from random starts only in small batches (measured: at b <= 20
 #: on MNIST-like data; none at b >= 50, m = 200): beyond this it is left out of the probe
 IRLS_PROBE_MAX_BATCH = 32
-#: with input sparsity IRLS is the only probe, and a fruitless call proves little beyond small
-#: batches (a ReLU-sparse hidden layer of width 200 gave it nothing at b = 32): above this the
-#: probe draws no conclusion and the search runs to its budget
+#: with input sparsity a fruitless IRLS call proves little beyond small batches (a ReLU-sparse
+#: hidden layer of width 200 gave it nothing at b = 32): above this only vertex descent probes,
+#: where the inputs are nonnegative; with signed inputs the probe then draws no conclusion and
+#: the search runs to its budget
 INPUT_PROBE_MAX_BATCH = 16
-#: a direction counts as ReLU-sparse with more than b - 1 + max(DENSE_SLACK_MIN,
-#: DENSE_SLACK_FRACTION * rows) exact zeros (chance zeros of a dense column are far fewer)
-DENSE_SLACK_MIN = 4
-DENSE_SLACK_FRACTION = 0.02
 #: an adapted threshold (``adapted_threshold``) is this fraction of the sparsest direction's
 #: zeros, and at least b + ADAPTED_SPARE
 ADAPTED_FRACTION = 0.5
@@ -66,29 +66,30 @@ class ProbeResult:
         return not relu_sparse(self.sparsest, b, rows)
 
 
-def relu_sparse(zeros: int, b: int, rows: int) -> bool:
-    """Whether a direction with ``zeros`` exact zeros (of ``rows``, batch size b) has more
-    than the b - 1 it was solved on and the few a dense column gets by chance."""
-    return zeros > b - 1 + max(DENSE_SLACK_MIN, math.ceil(DENSE_SLACK_FRACTION * rows))
-
-
 def probe_sparse_directions(
     ctx: ProposalContext, zero_rtol: float, zero_floor: float, known: torch.Tensor | None
 ) -> ProbeResult:
-    """Exact directions from one IRLS and one neuron-guided call (see the module doc). Past
-    ``ctx.deadline`` it stops between and within them, and its result is not ``probed``."""
+    """Exact directions from one IRLS, one neuron-guided and one vertex-descent call, as they
+    apply (see the module doc). Past ``ctx.deadline`` it stops between and within them, and its
+    result is not ``probed``; so it is not when vertex descent was the only call and found the
+    inputs signed."""
     calls: list[DirectionProposer] = []
     output_side = ctx.problem is None or ctx.problem.mode == "output"
     if ctx.batch_size <= (IRLS_PROBE_MAX_BATCH if output_side else INPUT_PROBE_MAX_BATCH):
         calls.append(SparseRecoveryProposer(starts_per_call=16, ica_restarts=1))
     if ctx.problem is not None and ctx.problem.mode == "output":
         calls.append(NeuronGuidedSampler())
+    if vertices_apply(ctx):
+        calls.append(VertexProposer(starts_per_call=16))
     found: list[SnapResult] = []
     sparsest = 0
+    conclusive = False
     for proposer in calls:
         if ctx.deadline.passed():
             break
         batch = proposer.propose(ctx, 1 << 30)
+        # vertex descent on signed inputs has no vertex to offer: that says nothing of sparsity
+        conclusive |= not (isinstance(proposer, VertexProposer) and batch.exhausted)
         # every direction the hints define, whatever its sparsity: the filter comes after
         loose = snap_and_filter(
             ctx.L,
@@ -105,7 +106,7 @@ def probe_sparse_directions(
         found.append(loose)
     # a probe the time budget cut short keeps the exact directions it finished, but its
     # evidence is incomplete: it concludes nothing (not "dense", not "too sparse for tau")
-    complete = bool(calls) and not ctx.deadline.passed()
+    complete = conclusive and not ctx.deadline.passed()
     if not found:
         nothing = ctx.L.new_empty(0, ctx.batch_size)
         empty = snap_and_filter(ctx.L, nothing, None, ctx.threshold_count, zero_rtol)
@@ -194,12 +195,13 @@ def adapted_threshold(sparsest: int, b: int) -> int:
     return max(b + ADAPTED_SPARE, math.floor(ADAPTED_FRACTION * sparsest))
 
 
-def below_threshold_note(sparsest: int, rows: int, threshold: int, adapted: int) -> str:
-    """Why the filter's threshold was lowered."""
+def below_threshold_note(sparsest: int, rows: int, threshold: int, adapted: int, mode: str = "output") -> str:
+    """Why the filter's threshold was lowered (``mode``: the sparsity side searched)."""
+    side = "columns of dL/dZ" if mode == "output" else "inputs"
     return (
-        f"the sparsest directions found have {sparsest} exact zeros of {rows} ({sparsest / rows:.0%}), "
-        f"below the filter's threshold tau*m = {threshold}: the columns of dL/dZ are less sparse than "
-        f"Section 4.1 assumes (a trained network?), so the threshold was lowered to {adapted}"
+        f"ReLU-sparse directions were found below the filter's threshold tau*m = {threshold} (the "
+        f"sparsest has {sparsest} exact zeros of {rows}, {sparsest / rows:.0%}): the {side} are less "
+        f"sparse than Section 4.1 assumes (a trained network?), so the threshold was lowered to {adapted}"
     )
 
 

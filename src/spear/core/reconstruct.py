@@ -1159,7 +1159,8 @@ class _Attack:
         if threshold >= self.setup.threshold:
             return
         self.adapted = True
-        self.notes.append(below_threshold_note(sparsest, rows, self.setup.threshold, threshold))
+        mode = self.setup.options.sparsity
+        self.notes.append(below_threshold_note(sparsest, rows, self.setup.threshold, threshold, mode))
         self.setup.threshold = threshold
         self.search.root.threshold_count = threshold
         self.search.ctx.threshold_count = threshold

@@ -15,6 +15,7 @@ from spear.core.proposers.noisy import NoisySubmatrixSampler
 from spear.core.proposers.prior import PriorGuidedProposer
 from spear.core.proposers.sampling import RandomSubmatrixSampler
 from spear.core.proposers.sparse_recovery import SparseRecoveryProposer
+from spear.core.proposers.vertices import VertexProposer
 
 #: proposers selectable by name (``proposer="..."``)
 PROPOSERS = {
@@ -25,6 +26,7 @@ PROPOSERS = {
     "next_layer": NextLayerProposer,
     "subspace": MaskedSubspaceProposer,
     "noisy": NoisySubmatrixSampler,
+    "vertices": VertexProposer,
     "auto": AutoProposer,
 }
 
@@ -42,4 +44,5 @@ __all__ = [
     "ProposalContext",
     "RandomSubmatrixSampler",
     "SparseRecoveryProposer",
+    "VertexProposer",
 ]

@@ -12,6 +12,8 @@ from spear.core.proposers.neurons import NeuronGuidedSampler
 from spear.core.proposers.next_layer import NextLayerProposer
 from spear.core.proposers.sampling import RandomSubmatrixSampler
 from spear.core.proposers.sparse_recovery import SparseRecoveryProposer
+from spear.core.proposers.vertices import VertexProposer
+from spear.core.proposers.vertices import applicable as vertices_apply
 
 #: Lemma 5.2 proposal count beyond which the random sampler is not worth its turns (b > ~45)
 SAMPLING_HOPELESS = 1e12
@@ -44,8 +46,9 @@ class AutoProposer(DirectionProposer):
       (:class:`SparseRecoveryProposer`). Every ``sampling_every``-th call is the random
       sampler, a safety net whose success does not depend on the other proposers' guesses, as
       long as Lemma 5.2 gives it a chance (up to b ~ 45).
-      In input-sparsity mode only IRLS and the sampler apply (the guided proposers need W, b on
-      the output side).
+      In input-sparsity mode the rotation is vertex descent (:class:`VertexProposer`, where the
+      inputs are nonnegative) and IRLS, with the sampler as above (the guided proposers need W,
+      b on the output side).
 
     With peeling (:mod:`spear.core.peeling`) the attack hands it residual problems of the
     samples not yet recovered; the rules above then apply to their smaller batch size, so the
@@ -71,6 +74,7 @@ class AutoProposer(DirectionProposer):
         self.guided = GuidedSampler()
         self.recovery = SparseRecoveryProposer()
         self.subspace = MaskedSubspaceProposer()
+        self.vertices = VertexProposer()
         self.sampling_only_below = sampling_only_below
         self.sampling_every = sampling_every
         self._last_found = 0
@@ -83,7 +87,7 @@ class AutoProposer(DirectionProposer):
     def _rotation(self, ctx: ProposalContext) -> list[DirectionProposer]:
         """The proposers in order of cost."""
         if ctx.problem is None or ctx.problem.mode != "output":
-            return [self.recovery]
+            return [self.vertices, self.recovery] if vertices_apply(ctx) else [self.recovery]
         rotation: list[DirectionProposer] = []
         # first where it applies: slower than neurons where neurons suffices (LT MNIST b = 128:
         # 17 s instead of 3.4 s), but neurons' stalls cost far more where it does not

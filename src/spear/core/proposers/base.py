@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import math
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 
@@ -133,6 +134,18 @@ def pool_subsets(
         slots = torch.arange(width, device=order.device)[None, :] < pool[:, None]
         noise = torch.where(slots, noise, 2.0)  # only the first pool slots can be picked
     return rows_to_mask(order.gather(1, noise.argsort(dim=1)[:, : b - 1]), m)
+
+
+#: a direction counts as ReLU-sparse with more than b - 1 + max(DENSE_SLACK_MIN,
+#: DENSE_SLACK_FRACTION * rows) exact zeros (chance zeros of a dense column are far fewer)
+DENSE_SLACK_MIN = 4
+DENSE_SLACK_FRACTION = 0.02
+
+
+def relu_sparse(zeros: int, b: int, rows: int) -> bool:
+    """Whether a direction with ``zeros`` exact zeros (of ``rows``, batch size b) has more
+    than the b - 1 it was solved on and the few a dense column gets by chance."""
+    return zeros > b - 1 + max(DENSE_SLACK_MIN, math.ceil(DENSE_SLACK_FRACTION * rows))
 
 
 def hint_cost(ctx: ProposalContext, hints: int) -> float:

@@ -1,0 +1,136 @@
+"""Vertex descent (spear.core.proposers.vertices): nonnegative inputs as degenerate vertices of
+the slice {L q >= 0, 1^T L q = 1}, found by capped-l1 linear programs."""
+
+import torch
+
+import spear
+from spear.core.consistency import Tolerances
+from spear.core.diagnosis import probe_sparse_directions
+from spear.core.filtering import snap_and_filter
+from spear.core.lowrank import low_rank_split
+from spear.core.proposers import PROPOSERS, ProposalContext, VertexProposer
+from spear.core.proposers.vertices import SliceLP
+from spear.core.scale import LayerProblem
+from spear.data import load_dataset
+from spear.fl import fully_connected, layer_inputs, pretrain, simulate_fedsgd
+from tests.conftest import assert_exact
+
+TOL = Tolerances.for_dtype(torch.float64)
+
+
+def _input_context(inputs: torch.Tensor, m: int = 300, seed: int = 0):
+    """An input-mode problem whose samples are ``inputs`` (b x n), with a ReLU-sparse output side."""
+    g = torch.Generator().manual_seed(seed)
+    b, n = inputs.shape
+    weight = torch.randn(m, n, generator=g, dtype=torch.float64)
+    columns = torch.randn(m, b, generator=g, dtype=torch.float64) * (torch.rand(m, b, generator=g) < 0.5)
+    grad_weight = columns @ inputs
+    split = low_rank_split(grad_weight)
+    problem = LayerProblem(
+        weight, torch.zeros(m, dtype=torch.float64), columns.sum(1), split.L, split.R, "input"
+    )
+    ctx = ProposalContext(
+        L=problem.sparse_factor,
+        batch_size=b,
+        threshold_count=b,
+        generator=torch.Generator().manual_seed(seed),
+        proposal_dtype=torch.float64,
+        found=torch.empty(0, b, dtype=torch.float64),
+        problem=problem,
+    )
+    return ctx
+
+
+def _sparse_nonnegative(b: int, n: int, zero_fraction: float, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    values = torch.rand(b, n, generator=g, dtype=torch.float64) + 0.1
+    return values * (torch.rand(b, n, generator=g) >= zero_fraction)
+
+
+def _exact_samples(ctx, batch, inputs) -> set[int]:
+    """The samples whose inputs the proposer's hints give exactly (after snapping)."""
+    snapped = snap_and_filter(ctx.L, batch.directions, batch.zero_hint, ctx.threshold_count, TOL.zero_rtol)
+    x = snapped.directions @ ctx.L.T
+    x = x * torch.sign(x.sum(dim=1, keepdim=True))
+    x = x / x.norm(dim=1, keepdim=True)
+    truth = inputs / inputs.norm(dim=1, keepdim=True)
+    cos = x @ truth.T
+    return {int(j) for j in cos.argmax(dim=1)[cos.amax(dim=1) > 1 - 1e-10]}
+
+
+def test_vertex_descent_lands_on_samples():
+    """b = 40 samples of 240 uniform features, 60% of them zero: 12 starts give 7 samples,
+    exactly after snapping (three calls of IRLS on the sphere: 4; at 50% zeros 2-3 and none)."""
+    inputs = _sparse_nonnegative(40, 240, 0.6, seed=0)
+    ctx = _input_context(inputs)
+    proposer = VertexProposer()
+    found: set[int] = set()
+    for _ in range(3):
+        found |= _exact_samples(ctx, proposer.propose(ctx, 10_000), inputs)
+    assert len(found) >= 5
+
+
+def test_signed_inputs_leave_no_vertex_and_the_proposer_exhausts():
+    g = torch.Generator().manual_seed(1)
+    inputs = torch.randn(12, 120, generator=g, dtype=torch.float64) * (torch.rand(12, 120, generator=g) < 0.5)
+    ctx = _input_context(inputs)
+    batch = VertexProposer().propose(ctx, 10_000)
+    assert batch.exhausted and batch.directions.shape[0] == 0
+    assert SliceLP(ctx.L.numpy()).vertex(torch.rand(120, generator=g, dtype=torch.float64).numpy()) is None
+
+
+def test_the_probe_draws_no_conclusion_from_signed_inputs():
+    """Vertex descent alone (b > 16) cannot tell signed inputs from dense ones: not probed, so
+    no NoSparsityError; nonnegative sparse inputs are probed and found sparse."""
+    g = torch.Generator().manual_seed(2)
+    signed = torch.randn(24, 160, generator=g, dtype=torch.float64) * (torch.rand(24, 160, generator=g) < 0.5)
+    probe = probe_sparse_directions(_input_context(signed), TOL.zero_rtol, 0.0, None)
+    assert not probe.probed and not probe.looks_dense(24, 160)
+    sparse = _sparse_nonnegative(24, 160, 0.5, seed=3)
+    probe = probe_sparse_directions(_input_context(sparse), TOL.zero_rtol, 0.0, None)
+    assert probe.probed and probe.sparsest >= 60
+
+
+def test_highs_prints_nothing(capfd):
+    """HiGHS's banner goes to file descriptor 1 from C++; the CLI's JSON output must not get it."""
+    inputs = _sparse_nonnegative(8, 60, 0.5, seed=4)
+    ctx = _input_context(inputs, m=80)
+    VertexProposer(starts_per_call=1).propose(ctx, 100)
+    out, _ = capfd.readouterr()
+    assert out == ""
+
+
+def test_vertices_is_a_named_proposer():
+    assert PROPOSERS["vertices"] is VertexProposer
+
+
+def _hidden_layer(width, b, seed, steps=0):
+    dataset = load_dataset("mnist")
+    model = fully_connected(dataset.features, width, 6, dataset.classes, seed=seed)
+    if steps:
+        pretrain(model, dataset, steps, seed=seed)
+    view, truth = simulate_fedsgd(model, dataset, b, seed=seed)
+    return view, layer_inputs(view.model, "2", truth.inputs)
+
+
+def test_input_mode_recovers_a_hidden_layer_of_b64():
+    """The realism matrix's input-mode cell at b = 64 (6 x 500 MLP, layer 2): was 0/3 at 30 s
+    with IRLS and the sampler; vertex descent and input-side peeling make it whole."""
+    view, inputs = _hidden_layer(500, 64, seed=1)
+    rec = spear.attack_layer(view.model, "2", view.gradients, sparsity="input", seed=0, max_proposals=60_000)
+    assert rec.verified and rec.stats.certified >= 60
+    assert_exact(rec.inputs, inputs)
+
+
+def test_input_mode_recovers_a_trained_hidden_layer_below_the_threshold():
+    """Trained 200 steps, the hidden inputs are denser (161-220 zeros of 495 live features at
+    seed 0) than the sparsity filter's tau * n = 200: the probe's vertex descent finds robust
+    inputs below it, the threshold is lowered, and the batch is whole (was 10 of 32)."""
+    view, inputs = _hidden_layer(500, 32, seed=0, steps=200)
+    rec = spear.attack_layer(
+        view.model, "2", view.gradients, sparsity="input", seed=0, max_proposals=1_000_000
+    )
+    assert rec.verified and rec.stats.certified >= 28
+    assert rec.stats.threshold_count < 200
+    assert any("the inputs are less sparse" in note for note in rec.notes)
+    assert_exact(rec.inputs, inputs)

@@ -71,8 +71,10 @@ def probe_sparse_directions(
 ) -> ProbeResult:
     """Exact directions from one IRLS, one neuron-guided and one vertex-descent call, as they
     apply (see the module doc). Past ``ctx.deadline`` it stops between and within them, and its
-    result is not ``probed``; so it is not when vertex descent was the only call and found the
-    inputs signed."""
+    result is not ``probed``. Vertex descent shows sparsity where it finds it, but finding none
+    proves nothing (signed inputs have no vertex; a descent can end on vertices that are not
+    samples): where it was the only call and found nothing ReLU-sparse, nothing is concluded
+    and the search goes on, as it did before it was a probe."""
     calls: list[DirectionProposer] = []
     output_side = ctx.problem is None or ctx.problem.mode == "output"
     if ctx.batch_size <= (IRLS_PROBE_MAX_BATCH if output_side else INPUT_PROBE_MAX_BATCH):
@@ -83,13 +85,12 @@ def probe_sparse_directions(
         calls.append(VertexProposer(starts_per_call=16))
     found: list[SnapResult] = []
     sparsest = 0
-    conclusive = False
+    conclusive = False  # a call whose failure to find sparse directions means a dense layer
     for proposer in calls:
         if ctx.deadline.passed():
             break
         batch = proposer.propose(ctx, 1 << 30)
-        # vertex descent on signed inputs has no vertex to offer: that says nothing of sparsity
-        conclusive |= not (isinstance(proposer, VertexProposer) and batch.exhausted)
+        conclusive |= not isinstance(proposer, VertexProposer)
         # every direction the hints define, whatever its sparsity: the filter comes after
         loose = snap_and_filter(
             ctx.L,
@@ -106,7 +107,7 @@ def probe_sparse_directions(
         found.append(loose)
     # a probe the time budget cut short keeps the exact directions it finished, but its
     # evidence is incomplete: it concludes nothing (not "dense", not "too sparse for tau")
-    complete = conclusive and not ctx.deadline.passed()
+    complete = (conclusive or relu_sparse(sparsest, ctx.batch_size, ctx.rows)) and not ctx.deadline.passed()
     if not found:
         nothing = ctx.L.new_empty(0, ctx.batch_size)
         empty = snap_and_filter(ctx.L, nothing, None, ctx.threshold_count, zero_rtol)

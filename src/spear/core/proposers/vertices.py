@@ -42,7 +42,6 @@ from spear.core.proposers.base import (
     ProposalContext,
     hint_cost,
     pool_subsets,
-    relu_sparse,
     rows_to_mask,
 )
 from spear.errors import InputError
@@ -53,6 +52,11 @@ FREE_WEIGHT = 1e-3
 #: degenerate vertex come back at rounding level), or at most the gradient's ``zero_rtol`` where
 #: that is larger (float32: the samples lie off the rounded factor's span by about that)
 ZERO_RTOL = 1e-9
+#: a vertex with this many times b - 1 zeros ends its descent: a sample (hidden layers' inputs
+#: have 2.5-4 times b - 1 at b = 64, trained or not). Raw MNIST pixels, whose background zeros
+#: many samples share, have vertices that are not samples with 1.1-1.2 times b - 1 (b = 128,
+#: 256): stopping at any vertex beyond a generic one's b - 1 ended every start there
+DEGENERATE = 1.5
 #: cost-estimate equivalent of one linear program per row and column of the factor: a cold
 #: solve takes a few hundred pivots, a warm one (the same slice, new costs) tens
 LP_WORK_PER_ENTRY = 2e3
@@ -184,9 +188,8 @@ class VertexProposer(DirectionProposer):
         return solves * LP_WORK_PER_ENTRY * m * b + hint_cost(ctx, hints)
 
     def _descend(self, weights: np.ndarray, ctx: ProposalContext) -> np.ndarray | None:
-        """Capped-l1 steps from the vertex of ``weights`` until the vertex repeats or has more
-        zeros than a generic vertex's b - 1 (:func:`relu_sparse`: a sample, or a face of a few);
-        its q."""
+        """Capped-l1 steps from the vertex of ``weights`` until the vertex repeats or has
+        ``DEGENERATE`` times a generic vertex's b - 1 zeros; its q."""
         zero = max(ZERO_RTOL, ctx.zero_rtol)
         q = self._lp.vertex(weights)
         for _ in range(self.max_steps):
@@ -194,7 +197,7 @@ class VertexProposer(DirectionProposer):
                 return q
             x = self._lp.inputs(q)
             positive = x[x > zero * x.max()]
-            if positive.size == 0 or relu_sparse(x.size - positive.size, ctx.batch_size, x.size):
+            if positive.size == 0 or x.size - positive.size >= DEGENERATE * (ctx.batch_size - 1):
                 return q
             small = x < self.cap * np.median(positive)
             step = self._lp.vertex(np.where(small, 1.0, FREE_WEIGHT))

@@ -1,6 +1,11 @@
 """Vertex descent (spear.core.proposers.vertices): nonnegative inputs as degenerate vertices of
 the slice {L q >= 0, 1^T L q = 1}, found by capped-l1 linear programs."""
 
+import os
+import sys
+
+import numpy as np
+import pytest
 import torch
 
 import spear
@@ -8,10 +13,11 @@ from spear.core.consistency import Tolerances
 from spear.core.diagnosis import probe_sparse_directions
 from spear.core.filtering import snap_and_filter
 from spear.core.lowrank import low_rank_split
-from spear.core.proposers import PROPOSERS, ProposalContext, VertexProposer
+from spear.core.proposers import PROPOSERS, ProposalContext, VertexProposer, vertices
 from spear.core.proposers.vertices import SliceLP
 from spear.core.scale import LayerProblem
 from spear.data import load_dataset
+from spear.errors import InputError
 from spear.fl import fully_connected, layer_inputs, pretrain, simulate_fedsgd
 from tests.conftest import assert_exact
 
@@ -134,3 +140,47 @@ def test_input_mode_recovers_a_trained_hidden_layer_below_the_threshold():
     assert rec.stats.threshold_count < 200
     assert any("the inputs are less sparse" in note for note in rec.notes)
     assert_exact(rec.inputs, inputs)
+
+
+def test_rounding_level_rows_are_left_out_not_equilibrated():
+    """A residual problem keeps features that only peeled samples had: rows of rounding noise.
+    Divided by their own largest entry they became random constraints that cut the samples off
+    (b = 2: no vertex, the inputs read as signed; found by a review)."""
+    inputs = _sparse_nonnegative(2, 40, 0.5, seed=2)
+    L = _input_context(inputs, m=30).L.numpy()
+    noise = torch.randn(15, 2, generator=torch.Generator().manual_seed(0), dtype=torch.float64).numpy()
+    lp = SliceLP(np.vstack([L, 1e-17 * noise]))
+    assert lp.live.tolist() == (inputs != 0).any(dim=0).tolist() + [False] * 15  # a feature both lack too
+    q = lp.vertex(np.ones(55))
+    assert q is not None and not lp.infeasible
+    assert np.abs(lp.inputs(q)[40:]).max() == 0.0
+
+
+def test_highs_is_created_without_a_stdout(monkeypatch):
+    """pythonw and daemons have no sys.stdout or no file descriptor 1: HiGHS's banner has
+    nowhere to go, and creating the solver must not fail on the redirect (found by a review)."""
+    monkeypatch.setattr(vertices, "_BANNER", [True])
+    monkeypatch.setattr(sys, "stdout", None)
+
+    def no_fd(fd):
+        raise OSError(9, "Bad file descriptor")
+
+    monkeypatch.setattr(os, "dup", no_fd)
+    assert vertices._highs() is not None
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"cap": float("nan")},
+        {"cap": 0.0},
+        {"pool_factors": ()},
+        {"pool_factors": (0.5,)},
+        {"starts_per_call": 2.5},
+        {"max_steps": True},
+        {"subsets_per_vertex": -1},
+    ],
+)
+def test_bad_settings_are_refused(kwargs):
+    with pytest.raises(InputError):
+        VertexProposer(**kwargs)

@@ -145,7 +145,8 @@ def no_sparsity_message(
         if rank is not None and rank != b
         else ""
     )
-    probe = f" and a probe by ICA+IRLS{' and neuron-guided sampling' if mode == 'output' else ''}"
+    second = "neuron-guided sampling" if mode == "output" else "vertex descent"
+    probe = f" and a probe by ICA+IRLS and {second}"
     found = (
         f"no ReLU-sparse direction: {calls} proposer calls{probe if probed else ''} found no "
         f"direction with the sparsity a ReLU gives (b={b}, {rows} rows)"

@@ -15,9 +15,12 @@ The proposer therefore minimizes a *capped* l1 norm over ``P`` by linear program
 a random vertex, each step gives weight 1 to the features below ``cap`` times the median
 positive feature and (almost) none to the others, and solves again, until the vertex repeats.
 Since ``1^T x = 1`` on ``P``, this pushes the vertex's mass into a few large features and the
-rest to zero: it converges to samples (MNIST 6 x 500 MLP, layer 2, b = 64: 30 of 30 starts land
-on a sample, 24 distinct ones), where plain l1 on the sphere (:mod:`sparse_recovery`) lands near
-none. Each converged vertex gives hints for the exact snapping stage: its near-exact zero set,
+rest to zero: it converges to samples (MNIST 6 x 500 MLP, layer 2, b = 64, seed 1: 29-30 of 30
+starts land on a sample, 22-24 distinct ones, for caps of 1.5-2.5), where plain l1 on the sphere
+(:mod:`sparse_recovery`) lands near none. Raw MNIST pixels (the first layer) are harder: their
+background zeros, shared by many samples, make vertices that are not samples but have more than
+b - 1 zeros; at b = 64 every start still lands on a sample, at b = 128 one in six, at b = 256 none.
+Each converged vertex gives hints for the exact snapping stage: its near-exact zero set,
 its b - 1 smallest features, and random (b-1)-subsets of its smallest features (guided sampling,
 Section 6.3). A vertex that is not a sample costs a few solves, never correctness: every hint
 is re-solved exactly and filtered (Section 4.1).
@@ -29,13 +32,16 @@ objectives still spread the starts over the vertices.
 
 from __future__ import annotations
 
+import math
 import os
 import sys
+import threading
 
 import highspy
 import numpy as np
 import torch
 
+from spear import checks
 from spear.core.proposers.base import (
     DirectionProposer,
     ProposalBatch,
@@ -68,28 +74,42 @@ def applicable(ctx: ProposalContext) -> bool:
     return problem is not None and problem.mode == "input" and not ctx.noisy
 
 
+_BANNER_LOCK = threading.Lock()
 _BANNER = [True]  # HiGHS prints its banner to the process's stdout once, at the first Highs()
 
 
 def _highs() -> highspy.Highs:
     """A silent HiGHS instance. Its one-time banner goes to file descriptor 1 from C++, past
-    Python's ``sys.stdout``: it would land in the CLI's JSON output, so it is sent to devnull."""
-    if not _BANNER[0]:
-        solver = highspy.Highs()
-    else:
-        sys.stdout.flush()
-        saved, devnull = os.dup(1), os.open(os.devnull, os.O_WRONLY)
-        try:
-            os.dup2(devnull, 1)
+    Python's ``sys.stdout``: it would land in the CLI's JSON output, so it is sent to devnull
+    (where file descriptor 1 is open; a daemon without one has nothing to protect)."""
+    with _BANNER_LOCK:
+        if _BANNER[0]:
+            _BANNER[0] = False
+            solver = _quietly(highspy.Highs)
+        else:
             solver = highspy.Highs()
-        finally:
-            os.dup2(saved, 1)
-            os.close(saved)
-            os.close(devnull)
-        _BANNER[0] = False
     solver.setOptionValue("output_flag", False)
     solver.setOptionValue("threads", 1)
     return solver
+
+
+def _quietly(make):
+    """``make()`` with file descriptor 1 sent to devnull, where there is one to redirect."""
+    stream = sys.stdout
+    if stream is not None and not getattr(stream, "closed", False):
+        stream.flush()
+    try:
+        saved = os.dup(1)
+    except OSError:  # no file descriptor 1 (a daemon): nothing reaches a stdout
+        return make()
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, 1)
+        return make()
+    finally:
+        os.dup2(saved, 1)
+        os.close(saved)
+        os.close(devnull)
 
 
 class SliceLP:
@@ -98,13 +118,18 @@ class SliceLP:
     One HiGHS model per factor: only the objective changes between solves, so each solve starts
     from the last optimal basis, which is still feasible (a few pivots instead of hundreds).
     Rows are equilibrated (each row of L divided by its largest entry): the same vertices,
-    better-scaled pivots.
+    better-scaled pivots. Rows at most ``dead_rtol`` of the largest are features zero in every
+    sample (a residual problem's features of the peeled samples alone): rounding noise, which
+    equilibrated would become random constraints that cut the samples off, so they are left out
+    (``live``).
     """
 
-    def __init__(self, L: np.ndarray) -> None:
+    def __init__(self, L: np.ndarray, dead_rtol: float = ZERO_RTOL) -> None:
         scale = np.abs(L).max(axis=1)
-        self.scale = np.where(scale > 0, scale, 1.0)
-        self.A = L / self.scale[:, None]
+        self.live = scale > dead_rtol * scale.max(initial=0.0)
+        self.scale = np.where(self.live, scale, 1.0)
+        self.A = np.where(self.live[:, None], L, 0.0) / self.scale[:, None]
+        self.infeasible = False  # no nonnegative direction at all: the inputs are signed
         n, b = self.A.shape
         lp = highspy.HighsLp()
         lp.num_col_, lp.num_row_ = b, n + 1
@@ -127,11 +152,13 @@ class SliceLP:
         return (self.A @ q) * self.scale
 
     def vertex(self, weights: np.ndarray) -> np.ndarray | None:
-        """The q of the vertex of P minimizing ``weights . L q``; None when P is empty (no
-        nonnegative direction: the inputs are signed) or the solve fails."""
+        """The q of the vertex of P minimizing ``weights . L q``; None when the solve fails, or
+        P is empty (``infeasible``)."""
         self.solver.changeColsCost(self.columns.size, self.columns, (weights * self.scale) @ self.A)
         self.solver.run()
-        if self.solver.getModelStatus() != highspy.HighsModelStatus.kOptimal:
+        status = self.solver.getModelStatus()
+        if status != highspy.HighsModelStatus.kOptimal:
+            self.infeasible |= status == highspy.HighsModelStatus.kInfeasible
             return None
         return np.array(self.solver.getSolution().col_value)
 
@@ -157,17 +184,20 @@ class VertexProposer(DirectionProposer):
         pool_factors: tuple[float, ...] = (1.3, 1.6, 2.0),
         subsets_per_vertex: int = 24,
     ) -> None:
-        if starts_per_call < 1 or max_steps < 1 or cap <= 0 or not pool_factors or subsets_per_vertex < 0:
+        if not (math.isfinite(cap) and cap > 0) or not pool_factors:
             raise InputError(
-                "VertexProposer needs starts_per_call, max_steps >= 1, cap > 0 and non-empty pool_factors"
+                f"VertexProposer needs a finite cap > 0 and pool factors, got {cap!r}, {pool_factors!r}"
             )
-        self.starts_per_call = starts_per_call
-        self.max_steps = max_steps
-        self.cap = cap
-        self.pool_factors = pool_factors
-        self.subsets_per_vertex = subsets_per_vertex
+        if not all(math.isfinite(f) and f >= 1 for f in pool_factors):
+            raise InputError(
+                f"VertexProposer's pool factors are multiples of b, at least 1: got {pool_factors!r}"
+            )
+        self.starts_per_call = checks.integer("starts_per_call", starts_per_call, 1)
+        self.max_steps = checks.integer("max_steps", max_steps, 1)
+        self.subsets_per_vertex = checks.integer("subsets_per_vertex", subsets_per_vertex, 0)
+        self.cap = float(cap)
+        self.pool_factors = tuple(float(f) for f in pool_factors)
         self._key: int | None = None
-        self._infeasible = False
 
     def _prepare(self, ctx: ProposalContext) -> None:
         if self._key == ctx.key:
@@ -178,8 +208,7 @@ class VertexProposer(DirectionProposer):
                 "or another proposer"
             )
         self._key = ctx.key
-        self._lp = SliceLP(ctx.L.to(torch.float64).cpu().numpy())
-        self._infeasible = False
+        self._lp = SliceLP(ctx.L.to(torch.float64).cpu().numpy(), max(ZERO_RTOL, ctx.zero_rtol))
 
     def cost(self, ctx: ProposalContext) -> float:
         m, b = ctx.rows, ctx.batch_size
@@ -190,16 +219,17 @@ class VertexProposer(DirectionProposer):
     def _descend(self, weights: np.ndarray, ctx: ProposalContext) -> np.ndarray | None:
         """Capped-l1 steps from the vertex of ``weights`` until the vertex repeats or has
         ``DEGENERATE`` times a generic vertex's b - 1 zeros; its q."""
-        zero = max(ZERO_RTOL, ctx.zero_rtol)
+        zero, live = max(ZERO_RTOL, ctx.zero_rtol), self._lp.live
         q = self._lp.vertex(weights)
         for _ in range(self.max_steps):
             if q is None or ctx.deadline.passed():
                 return q
             x = self._lp.inputs(q)
-            positive = x[x > zero * x.max()]
-            if positive.size == 0 or x.size - positive.size >= DEGENERATE * (ctx.batch_size - 1):
+            nonzero = live & (x > zero * x.max())
+            zeros = int(live.sum()) - int(nonzero.sum())
+            if not nonzero.any() or zeros >= DEGENERATE * (ctx.batch_size - 1):
                 return q
-            small = x < self.cap * np.median(positive)
+            small = x < self.cap * np.median(x[nonzero])
             step = self._lp.vertex(np.where(small, 1.0, FREE_WEIGHT))
             if step is None or np.allclose(step, q, rtol=1e-9, atol=1e-12 * np.abs(q).max()):
                 return q if step is None else step
@@ -210,27 +240,25 @@ class VertexProposer(DirectionProposer):
         self._prepare(ctx)
         b, m = ctx.batch_size, ctx.rows
         empty = torch.empty(0, b, dtype=ctx.L.dtype, device=ctx.L.device)
-        if self._infeasible:
-            return ProposalBatch(empty, n_drawn=1, exhausted=True)
         vertices = []
         for _ in range(self.starts_per_call):
-            if ctx.deadline.passed():
+            if self._lp.infeasible or ctx.deadline.passed():
                 break
             noise = torch.randn(m, generator=ctx.generator, dtype=torch.float64).numpy()
             q = self._descend(noise, ctx)
-            if q is None:  # no nonnegative direction at all: these inputs are not nonnegative
-                self._infeasible = not vertices
-                break
-            vertices.append(q)
-        if not vertices:
-            return ProposalBatch(empty, n_drawn=1, exhausted=self._infeasible)
+            if q is not None:  # None: a failed solve, or no nonnegative direction at all
+                vertices.append(q)
+        live = torch.as_tensor(self._lp.live, device=ctx.L.device)
+        if not vertices or int(live.sum()) < b - 1:
+            return ProposalBatch(empty, n_drawn=self.starts_per_call, exhausted=self._lp.infeasible)
         q = torch.as_tensor(np.stack(vertices), dtype=ctx.L.dtype, device=ctx.L.device)
         x = q @ ctx.L.T
         x = x / x.abs().amax(dim=1, keepdim=True)
-        order = x.argsort(dim=1)
-        hints = [x <= max(ZERO_RTOL, ctx.zero_rtol), rows_to_mask(order[:, : b - 1], m)]
+        # features zero in every sample (rounding noise) pin nothing: never in a hint
+        order = torch.where(live, x, torch.inf).argsort(dim=1)
+        hints = [live & (x <= max(ZERO_RTOL, ctx.zero_rtol)), rows_to_mask(order[:, : b - 1], m)]
         for t in range(self.subsets_per_vertex):
-            pool = min(m, max(b, int(self.pool_factors[t % len(self.pool_factors)] * b)))
+            pool = min(int(live.sum()), max(b, int(self.pool_factors[t % len(self.pool_factors)] * b)))
             hints.append(pool_subsets(order, pool, b, m, ctx.generator))
         hint = torch.cat(hints)
         directions = q.repeat(len(hints), 1)

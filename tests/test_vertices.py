@@ -173,6 +173,8 @@ def test_highs_is_created_without_a_stdout(monkeypatch):
     "kwargs",
     [
         {"cap": float("nan")},
+        {"cap": "2"},
+        {"pool_factors": (True,)},
         {"cap": 0.0},
         {"pool_factors": ()},
         {"pool_factors": (0.5,)},

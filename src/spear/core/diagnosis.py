@@ -6,9 +6,9 @@ ends. The probe asks the proposers that find sparse directions fastest where SPE
 all: ICA + IRLS (small batches), neuron-guided sampling (large ones, output sparsity) and vertex
 descent (nonnegative inputs, input sparsity), one call each, snapped exactly. On a ReLU layer
 that the attack can recover, one of them finds candidates at once (their directions join the
-pool); on a dense one none can. The probe only
-runs once the attack's own proposers found nothing, and it is not trusted where the layer is too
-narrow for its batch (``rows < DIAGNOSABLE_RATIO * b``): there the attack just goes on.
+pool); on a dense one none can. The probe only runs once the attack's own proposers found
+nothing, and it is not trusted where the layer is too narrow for its batch
+(``rows < DIAGNOSABLE_RATIO * b``): there the attack just goes on.
 """
 
 from __future__ import annotations

@@ -13,7 +13,8 @@ b = 64). A linear program with a random objective lands on some vertex of ``P``;
 
 The proposer therefore minimizes a *capped* l1 norm over ``P`` by linear programs: starting from
 a random vertex, each step gives weight 1 to the features below ``cap`` times the median
-positive feature and (almost) none to the others, and solves again, until the vertex repeats.
+positive feature and (almost) none to the others, and solves again, until the vertex repeats
+or has ``DEGENERATE`` times b - 1 zeros.
 Since ``1^T x = 1`` on ``P``, this pushes the vertex's mass into a few large features and the
 rest to zero: it converges to samples (MNIST 6 x 500 MLP, layer 2, b = 64, seed 1: 29-30 of 30
 starts land on a sample, 22-24 distinct ones, for caps of 1.5-2.5), where plain l1 on the sphere
@@ -33,6 +34,7 @@ objectives still spread the starts over the vertices.
 from __future__ import annotations
 
 import math
+import numbers
 import os
 import sys
 import threading
@@ -163,6 +165,11 @@ class SliceLP:
         return np.array(self.solver.getSolution().col_value)
 
 
+def _real(value) -> bool:
+    """A finite real number (bools and strings are not)."""
+    return isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
+
+
 class VertexProposer(DirectionProposer):
     """Capped-l1 vertex descent over ``{L q >= 0, 1^T L q = 1}`` (module doc).
 
@@ -184,11 +191,11 @@ class VertexProposer(DirectionProposer):
         pool_factors: tuple[float, ...] = (1.3, 1.6, 2.0),
         subsets_per_vertex: int = 24,
     ) -> None:
-        if not (math.isfinite(cap) and cap > 0) or not pool_factors:
+        if not (_real(cap) and cap > 0) or not pool_factors:
             raise InputError(
                 f"VertexProposer needs a finite cap > 0 and pool factors, got {cap!r}, {pool_factors!r}"
             )
-        if not all(math.isfinite(f) and f >= 1 for f in pool_factors):
+        if not all(_real(f) and f >= 1 for f in pool_factors):
             raise InputError(
                 f"VertexProposer's pool factors are multiples of b, at least 1: got {pool_factors!r}"
             )

@@ -186,3 +186,17 @@ def test_highs_is_created_without_a_stdout(monkeypatch):
 def test_bad_settings_are_refused(kwargs):
     with pytest.raises(InputError):
         VertexProposer(**kwargs)
+
+
+def test_input_mode_searches_on_past_an_unverified_sigma_of_one():
+    """float32, trained 200 steps, b = 64: once the threshold is lowered, a selection with
+    mixtures inside float32's zero band reached sigma = 1 and ended the search unverified, 52 of
+    64 samples certified; input-side peeling now keeps searching while samples are left."""
+    dataset = load_dataset("mnist")
+    model = fully_connected(dataset.features, 500, 6, dataset.classes, seed=0, dtype=torch.float32)
+    pretrain(model, dataset, 200, seed=0)
+    view, truth = simulate_fedsgd(model, dataset, 64, seed=0)
+    inputs = layer_inputs(view.model, "2", truth.inputs)
+    rec = spear.attack_layer(view.model, "2", view.gradients, sparsity="input", seed=0, max_proposals=400_000)
+    assert rec.verified and rec.stats.certified >= 60
+    assert_exact(rec.inputs.to(inputs.dtype), inputs, rtol=1e-3)

@@ -1184,12 +1184,23 @@ class _Attack:
 
     def _settled(self) -> bool:
         """Whether the best selection ends the search: sigma = 1 (verified or not: no swap can
-        raise it), or silent entries explained by the model and the batch verified (an
-        unverified one may yet give way to a selection of sigma = 1)."""
+        raise it; but not unverified while input-side peeling has samples left, whose search can
+        still bring their true columns), or silent entries explained by the model and the batch
+        verified (an unverified one may yet give way to a selection of sigma = 1)."""
         best = self.best
         if best is None or not best.perfect:
             return False
-        return best.sigma >= 1.0 or (self.verdict is not None and self.verdict.verified)
+        verified = self.verdict is not None and self.verdict.verified
+        if not verified and self._peeling_on_input_side():
+            # input-side peeling certifies samples one by one; a float32 selection with mixtures
+            # inside the zero band can reach sigma = 1 while samples are left: search on
+            return False
+        return best.sigma >= 1.0 or verified
+
+    def _peeling_on_input_side(self) -> bool:
+        """Whether input-side peeling (the model certificate) runs and has samples left."""
+        peeler = self.peeler
+        return isinstance(peeler, InputSidePeeler) and len(self.peeled) < self.setup.b
 
     def _accepted_outside(self) -> bool:
         """Whether ``stop_when`` accepts a new best selection that is not perfect."""

@@ -91,8 +91,7 @@ def _fraction(name: str, value: Any) -> float | None:
 
 def check_seconds(name: str, value: Any) -> None:
     """A clear error unless ``value`` is None or a positive, finite number of seconds."""
-    real = isinstance(value, numbers.Real) and not isinstance(value, bool)
-    if value is not None and (not real or not math.isfinite(value) or value <= 0):
+    if value is not None and (not checks.finite_real(value) or value <= 0):
         raise InputError(f"{name} must be a positive, finite number of seconds or None, got {value!r}")
 
 

@@ -3,6 +3,7 @@ builders), so an argument is refused with the same words wherever it is passed."
 
 from __future__ import annotations
 
+import math
 import numbers
 from typing import Any
 
@@ -33,3 +34,9 @@ def seed(value: Any) -> int:
     checked = integer("seed", value, 0, maximum=MAX_SEED)
     assert checked is not None
     return checked
+
+
+def finite_real(value: Any) -> bool:
+    """Whether ``value`` is a finite real number (numpy scalars included; bools, strings and
+    tensors are not)."""
+    return isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)

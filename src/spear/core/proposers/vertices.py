@@ -33,8 +33,6 @@ objectives still spread the starts over the vertices.
 
 from __future__ import annotations
 
-import math
-import numbers
 import os
 import sys
 import threading
@@ -165,11 +163,6 @@ class SliceLP:
         return np.array(self.solver.getSolution().col_value)
 
 
-def _real(value) -> bool:
-    """A finite real number (bools and strings are not)."""
-    return isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
-
-
 class VertexProposer(DirectionProposer):
     """Capped-l1 vertex descent over ``{L q >= 0, 1^T L q = 1}`` (module doc).
 
@@ -191,11 +184,11 @@ class VertexProposer(DirectionProposer):
         pool_factors: tuple[float, ...] = (1.3, 1.6, 2.0),
         subsets_per_vertex: int = 24,
     ) -> None:
-        if not (_real(cap) and cap > 0) or not pool_factors:
+        if not (checks.finite_real(cap) and cap > 0) or not pool_factors:
             raise InputError(
                 f"VertexProposer needs a finite cap > 0 and pool factors, got {cap!r}, {pool_factors!r}"
             )
-        if not all(_real(f) and f >= 1 for f in pool_factors):
+        if not all(checks.finite_real(f) and f >= 1 for f in pool_factors):
             raise InputError(
                 f"VertexProposer's pool factors are multiples of b, at least 1: got {pool_factors!r}"
             )

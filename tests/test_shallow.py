@@ -77,3 +77,19 @@ def test_dense_inputs_peel_through_the_layers_relu_and_a_discriminative_certific
     without_dense_singletons(monkeypatch)
     alone = spear.attack_layer(view.model, "0", view.gradients, seed=0, max_proposals=1)
     assert alone.stats.certified <= 12
+
+
+def test_singleton_samples_with_silent_entries_count_through_the_model():
+    """A two-layer MLP trained 300 steps on raw digits, float32, b = 13: some samples have an
+    active neuron whose gradient lies within float32's zero band (a silent entry). The cascade's
+    layer check refused them (11 of 13 certified, then the search); now they complete, never
+    robustly, and the model certifies them: the whole batch before the first proposal."""
+    from spear.fl import fully_connected, pretrain
+
+    dataset = load_dataset("digits")
+    model = fully_connected(dataset.features, 300, 2, dataset.classes, seed=7267, dtype=torch.float32)
+    pretrain(model, dataset, 300, seed=7267)
+    view, truth = simulate_fedsgd(model, dataset, 13, seed=7267, normalize=False)
+    rec = spear.attack_layer(view.model, "0", view.gradients, seed=7267, max_proposals=1)
+    assert rec.verified and rec.stats.certified == 13
+    assert_exact(rec.inputs.double(), truth.inputs.double(), rtol=1e-5)

@@ -18,7 +18,10 @@ sample can be completed on its own, without the other directions (the mirror ima
    (no essential row); a wrong ``p`` usually predicts a pattern no column has, and ``L[S_j]``,
    with about m/2 >= b rows, then has no kernel at all.
 3. The kernel vector ``q`` must also be nonzero wherever ``z_j > 0`` (sigma = 1 both ways, for
-   this one column), and ``u_j = q / (q . r_j)`` gives ``dL/dZ_j = L u_j``.
+   this one column), and ``u_j = q / (q . r_j)`` gives ``dL/dZ_j = L u_j``. An active neuron
+   whose entry lies within the zero band is *silent* (a gradient the data cannot tell from
+   zero, as in trained float32 layers): it is allowed, but such a sample is never robust, and
+   only a discriminative model certificate (whose misfit bounds every entry) counts it.
 4. The remaining directions satisfy ``p . u_j = 0``; subtracting ``(L u_j) x_j^T`` and ``L u_j``
    leaves the gradients of the other samples (:func:`spear.core.peeling.residual_problem`).
 
@@ -165,8 +168,13 @@ class InputSidePeeler:
                 q[shared[found]] = vectors[found]  # firm stays False: the layer does not pin them
         column = q @ L.T  # (k, m)
         nonzero = ~zero_mask(column, self.zero_rtol)
-        # sigma = 1 for this column: zero where inactive (the kernel), nonzero where active
-        pattern = ~(active & ~nonzero).any(dim=1) & ~(inactive & nonzero).any(dim=1)
+        # sigma = 1 for this column: zero where inactive (the kernel), nonzero where active, but
+        # for silent entries: an active neuron whose gradient the data cannot tell from zero (a
+        # trained float32 layer: one such entry each kept 3 of 16 true samples from ever
+        # counting). A sample with one is never robust: only a discriminative model
+        # certificate, whose misfit bounds every entry, counts it
+        pattern = ~(inactive & nonzero).any(dim=1)
+        quiet = ~(active & ~nonzero).any(dim=1)
         qr = (q * r).sum(dim=1)
         u = q / torch.where(qr.abs() > tiny, qr, torch.ones_like(qr)).unsqueeze(-1)
         dual = qr.abs() > self.rtol * q.norm(dim=1) * r.norm(dim=1)  # u_j must exist
@@ -179,7 +187,7 @@ class InputSidePeeler:
         own_zeros = zero_mask(x, self.zero_rtol)
         pinned, firm_input, _, _ = _kernel(problem.R.T, own_zeros, self.rtol, ok)
         ok &= pinned & (own_zeros.sum(dim=1) >= b - 1)
-        return ok, ok & firm & firm_input, r, u
+        return ok, ok & firm & firm_input & quiet, r, u
 
     def _model_columns(self, inactive: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """For k samples (inputs x (k, n)) whose inactive rows (k, m) leave ``L`` a kernel of two

@@ -516,6 +516,47 @@ def test_a_pool_of_refuted_candidates_does_not_hold_off_the_stall_probe(refuted)
     assert attack.adapted == refuted
 
 
+@pytest.mark.parametrize(
+    ("drops", "probed"),
+    [((True, True, True), True), ((True, True), False), ((True, True, False, True), False)],
+)
+def test_calls_in_a_row_that_drop_sparse_directions_probe_despite_progress(monkeypatch, drops, probed):
+    # a trained hidden layer's inputs straddle the threshold (input mode, MNIST 6 x 1000, 200
+    # steps, b = 128: 401 zeros per sample, threshold 433): the few columns above it kept coming,
+    # one every few calls, and each put the probe off, while every call dropped columns below it
+    # (the probe came at call 9, 24 s of a 30 s budget). PROBE_AFTER_CALLS calls in a row that
+    # each dropped a ReLU-sparse direction probe now, new directions or not; a call without such
+    # a drop starts the count again
+    from spear.core import reconstruct
+    from spear.core.proposers import ProposalBatch
+
+    b = 16
+    attack, _ = _attack_on_client(b)
+    rows = attack.setup.problem.sparse_factor.shape[0]
+    sparse = rows // 2  # far more zeros than the b - 1 a direction is solved on
+    assert reconstruct.relu_sparse(sparse, b, rows)
+    calls = iter(drops)
+
+    def propose(proposer, budget):
+        return ProposalBatch(torch.empty(0, b), 1, below_threshold=sparse if next(calls) else 0)
+
+    monkeypatch.setattr(attack.search, "propose", propose)
+    seen = []
+    monkeypatch.setattr(
+        reconstruct, "probe_sparse_directions", lambda *args: seen.append(args) or _NotProbed()
+    )
+    for _ in drops:
+        attack.step()
+        attack.trusted_seen = -1  # a new trusted direction at every call: the search progresses
+        attack._check_stall()
+    assert bool(seen) == probed == attack.adapted
+    assert reconstruct.PROBE_AFTER_CALLS == 3  # the parametrization's streaks assume it
+
+
+class _NotProbed:
+    probed = False
+
+
 def test_singleton_samples_enter_the_pool_robust_only_where_their_zero_set_pins_them():
     # the singleton cascade certifies a sample through its input or the model; its column's
     # zero set, which the verdict counts as a pin, is judged as any snapped direction's. A

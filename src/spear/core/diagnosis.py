@@ -197,11 +197,15 @@ def adapted_threshold(sparsest: int, b: int) -> int:
     return max(b + ADAPTED_SPARE, math.floor(ADAPTED_FRACTION * sparsest))
 
 
+#: how the note of a lowered threshold begins (a later lowering replaces it)
+BELOW_THRESHOLD_NOTE_START = "ReLU-sparse directions were found below the filter's threshold"
+
+
 def below_threshold_note(sparsest: int, rows: int, threshold: int, adapted: int, mode: str = "output") -> str:
     """Why the filter's threshold was lowered (``mode``: the sparsity side searched)."""
     side = "columns of dL/dZ" if mode == "output" else "inputs"
     return (
-        f"ReLU-sparse directions were found below the filter's threshold tau*m = {threshold} (the "
+        f"{BELOW_THRESHOLD_NOTE_START} tau*m = {threshold} (the "
         f"sparsest has {sparsest} exact zeros of {rows}, {sparsest / rows:.0%}): the {side} are less "
         f"sparse than Section 4.1 assumes (a trained network?), so the threshold was lowered to {adapted}"
     )

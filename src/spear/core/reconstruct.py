@@ -32,6 +32,7 @@ from spear.core.consistency import (
 )
 from spear.core.deadline import Deadline
 from spear.core.diagnosis import (
+    BELOW_THRESHOLD_NOTE_START,
     DIAGNOSABLE_RATIO,
     PROBE_AFTER_CALLS,
     adapted_threshold,
@@ -516,8 +517,12 @@ class _Attack:
         self.probed = False
         self.weights_seen: list[float] = []  # loss weights the model certificate fitted
         self.adapted = False  # the filter's threshold was (or will not be) adapted
+        self.stall_probed_at = -1  # the call of the last stall probe
+        self.lowered_at: int | None = None  # the call that last lowered the threshold
+        self.first_threshold = setup.threshold  # Section 4.1's, which a note names when lowered
         self.trusted_seen, self.last_progress = 0, 0  # for _check_stall
         self.sparse_drop = -1  # the last call whose snapping dropped a ReLU-sparse direction
+        self.drop_streak = 0  # consecutive calls, up to the last, that dropped one
         self.probe_found_sparse = False  # the sparsity probe found ReLU-sparse directions
         self.swaps_deferred = False  # the last selection skipped its swaps (peeling progressed)
         self.resolvable = setup.resolvable
@@ -545,6 +550,9 @@ class _Attack:
         dropped = max(snapped.dropped_sparsest, batch.below_threshold)
         if relu_sparse(dropped, ctx.batch_size, ctx.rows):
             self.sparse_drop = self.calls
+            self.drop_streak += 1
+        else:
+            self.drop_streak = 0
         self._absorb(snapped)
         return batch
 
@@ -902,19 +910,26 @@ class _Attack:
         when it is verified (and the run stops). The selection's batch comes first: solved
         from all b directions at once, it is the more precise where it holds."""
         s = self.setup
-        if self.certified_judged or len(self.peeled) != s.b or self.activation_basis is None:
+        input_side = isinstance(self.peeler, InputSidePeeler)
+        if self.certified_judged or len(self.peeled) != s.b:
             return
-        if self.verdict is not None and self.verdict.verified:
+        if (self.activation_basis is None and not input_side) or (self.verdict and self.verdict.verified):
             return
         self.certified_judged = True
         # each input on its own: its activation in the next layer's row space (what peeling
-        # checked it by), since the batch's gradient residual weighs it by its share
-        off = activation_residuals(s, self.peeled.inputs, self.activation_basis)
-        if not bool((off <= s.tol.verify_rtol).all()):
-            return
+        # checked it by), since the batch's gradient residual weighs it by its share. Input-side
+        # peeling counted each sample only with the model's certificate, which the verdict keeps
+        if not input_side:
+            off = activation_residuals(s, self.peeled.inputs, self.activation_basis)
+            if not bool((off <= s.tol.verify_rtol).all()):
+                return
         batch = certified_batch(s, self.peeled, self.pool.directions)
         selection = batch.selection
         everyone = torch.ones(s.b, dtype=torch.bool, device=selection.Qbar.device)
+        data_precision = s.sample_precision(selection.Qbar)
+        # judged as any selection of its mode (_judge): input mode polishes nothing, so nothing
+        # is audited there, and loss weights are read at the data's precision
+        audit, weights_at = (None, data_precision) if input_side else (data_precision, None)
         verdict = judge(
             selection,
             s.problem.sparse_factor,
@@ -928,7 +943,8 @@ class _Attack:
             pinned=everyone,
             clients=s.options.clients,
             sample_rtol=self._sample_rtol(selection.Qbar.T),
-            precision=s.sample_precision(selection.Qbar),
+            precision=audit,
+            data_precision=weights_at,
         )
         if verdict.verified:
             verdict.notes.append(CERTIFIED_BATCH_NOTE)
@@ -1108,23 +1124,28 @@ class _Attack:
     def _check_stall(self) -> None:
         """When no new direction came for ``STALL_CALLS`` calls with fewer than b in hand (for
         ``PROBE_AFTER_CALLS`` when snapping dropped a ReLU-sparse direction for the threshold
-        alone since then), probe the current problem (the residual one, after peeling) once: if
-        its columns are sparse but below the threshold, lower it (the columns found first are the
-        sparsest ones). They are when the probe finds nothing above the threshold, or finds
-        robust directions below it (no essential zero row: true columns, as mixtures have one; a
-        trained float32 MLP's columns straddle the threshold, and those above it are found, the
-        others never)."""
+        alone since then, or in ``PROBE_AFTER_CALLS`` calls in a row, new directions or not),
+        probe the current problem (the residual one, after peeling): if its columns are sparse
+        but below the threshold, lower it (the columns found first are the sparsest ones). They
+        are when the probe finds nothing above the threshold, or finds robust directions below it
+        (no essential zero row: true columns, as mixtures have one; a trained float32 MLP's
+        columns straddle the threshold, and those above it are found, the others never). It
+        probes once, and again only while each probe lowers the threshold
+        (:meth:`_may_probe_again`)."""
         s = self.setup
         trusted = int(self.pool.trusted_mask.sum())
+        streak = self.drop_streak >= PROBE_AFTER_CALLS
         if trusted != self.trusted_seen:
             self.trusted_seen, self.last_progress = trusted, self.calls
-            return
+            if not streak:
+                return
         # directions sparser than a dense column's but below the threshold, dropped since the
         # last progress: the evidence the probe looks for may be there, so look soon
         patience = PROBE_AFTER_CALLS if self.sparse_drop > self.last_progress else STALL_CALLS
-        if self.adapted or not self._lacks_directions() or self.calls - self.last_progress < patience:
+        waited = self.calls - self.last_progress >= patience
+        if not self._may_probe_again() or not self._lacks_directions() or not (waited or streak):
             return
-        self.adapted = True
+        self.adapted, self.stall_probed_at = True, self.calls
         ctx = self.search.ctx
         probe = probe_sparse_directions(ctx, s.tol.zero_rtol, s.tol.zero_floor, self.pool.known_masks)
         if not probe.probed or probe.looks_dense(ctx.batch_size, ctx.rows):
@@ -1137,6 +1158,19 @@ class _Attack:
         if self.search.basis is not None:
             snapped = lift(snapped, self.search.basis)
         self._absorb(snapped.select(snapped.zero_counts >= s.threshold))
+
+    def _may_probe_again(self) -> bool:
+        """Whether a stall probe may run: the first, or one ``STALL_CALLS`` calls after the
+        last lowering of the threshold, where the last probe lowered it. Half the sparsest
+        direction a probe saw can still lie above the last samples' zeros when it came early
+        (a trained float32 hidden layer in input mode, b = 16: a probe on the whole layer saw
+        224 zeros and set 112, the last 3 samples have fewer; one on the residual problem saw
+        193 and set 96). Each probe that lowers it lowers it further, to ``b + ADAPTED_SPARE``
+        at least, so the probes are few."""
+        if not self.adapted:
+            return True
+        lowered = self.lowered_at
+        return lowered is not None and lowered >= self.stall_probed_at and self.calls - lowered >= STALL_CALLS
 
     def _lacks_directions(self) -> bool:
         """Whether the problem searched now has fewer directions in hand than samples: the pool
@@ -1158,9 +1192,10 @@ class _Attack:
         (:func:`~spear.core.diagnosis.adapted_threshold`)."""
         if threshold >= self.setup.threshold:
             return
-        self.adapted = True
+        self.adapted, self.lowered_at = True, self.calls
         mode = self.setup.options.sparsity
-        self.notes.append(below_threshold_note(sparsest, rows, self.setup.threshold, threshold, mode))
+        note = below_threshold_note(sparsest, rows, self.first_threshold, threshold, mode)
+        self.notes = [n for n in self.notes if not n.startswith(BELOW_THRESHOLD_NOTE_START)] + [note]
         self.setup.threshold = threshold
         self.search.root.threshold_count = threshold
         self.search.ctx.threshold_count = threshold

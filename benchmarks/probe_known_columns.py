@@ -46,6 +46,18 @@ def per_sample_columns(
     return ((pre > 0).double() * (probs @ head.weight.detach().double())).T / len(labels)
 
 
+def lt_batch(name: str, b: int, seed: int):
+    """The LT setting's network, one batch of ``name`` (raw inputs), the first layer's dL/dW in
+    float64 and each sample's column of dL/dZ (checked: they rebuild dL/dW)."""
+    dataset = load_dataset(name)
+    model = shallow_mlp(dataset.features, seed=seed)
+    view, truth = simulate_fedsgd(model, dataset, b, seed=seed, normalize=False)
+    grad = view.gradients["0.weight"].double()
+    columns = per_sample_columns(model, truth.inputs.double(), truth.labels)
+    assert float((columns @ truth.inputs.double() - grad).abs().max()) <= 1e-12 * float(grad.abs().max())
+    return model, truth, grad, columns
+
+
 def solve_sample(
     offset: np.ndarray, span: np.ndarray, weight: np.ndarray, active: np.ndarray
 ) -> np.ndarray | None:
@@ -94,12 +106,8 @@ def main() -> None:
     default_out = Path(__file__).parent / "results" / "probe_known_columns.json"
     parser.add_argument("--out", default=str(default_out))
     args = parser.parse_args()
-    dataset = load_dataset(args.dataset)
-    model = shallow_mlp(dataset.features, seed=args.seed)
-    view, truth = simulate_fedsgd(model, dataset, args.batch_size, seed=args.seed, normalize=False)
-    inputs, grad = truth.inputs.double(), view.gradients["0.weight"].double()
-    columns = per_sample_columns(model, inputs, truth.labels)
-    assert float((columns @ inputs - grad).abs().max()) <= 1e-12 * float(grad.abs().max())
+    model, truth, grad, columns = lt_batch(args.dataset, args.batch_size, args.seed)
+    inputs = truth.inputs.double()
     rng = np.random.default_rng(args.seed)
     rows = []
     for known in args.known:

@@ -553,6 +553,26 @@ def test_calls_in_a_row_that_drop_sparse_directions_probe_despite_progress(monke
     assert reconstruct.PROBE_AFTER_CALLS == 3  # the parametrization's streaks assume it
 
 
+def test_a_probe_that_lowered_the_threshold_may_be_followed_by_another():
+    # the first stall probe always may run; another only STALL_CALLS calls after a lowering that
+    # the last probe made (an early probe sees the sparsest columns, a later one on the residual
+    # problem the densest); a probe that lowered nothing ends them
+    from spear.core import reconstruct
+
+    attack, _ = _attack_on_client(16)
+    assert attack._may_probe_again()
+    attack.adapted, attack.stall_probed_at, attack.lowered_at = True, 5, 5
+    attack.calls = 5 + reconstruct.STALL_CALLS - 1
+    assert not attack._may_probe_again()
+    attack.calls = 5 + reconstruct.STALL_CALLS
+    assert attack._may_probe_again()
+    attack.stall_probed_at = 30  # a later probe lowered nothing
+    attack.calls = 60
+    assert not attack._may_probe_again()
+    attack.stall_probed_at, attack.lowered_at = 5, None  # the one probe lowered nothing
+    assert not attack._may_probe_again()
+
+
 class _NotProbed:
     probed = False
 

@@ -913,7 +913,9 @@ class _Attack:
         input_side = isinstance(self.peeler, InputSidePeeler)
         if self.certified_judged or len(self.peeled) != s.b:
             return
-        if (self.activation_basis is None and not input_side) or (self.verdict and self.verdict.verified):
+        if self.activation_basis is None and not input_side:
+            return
+        if self.verdict is not None and self.verdict.verified:
             return
         self.certified_judged = True
         # each input on its own: its activation in the next layer's row space (what peeling
@@ -1161,12 +1163,11 @@ class _Attack:
 
     def _may_probe_again(self) -> bool:
         """Whether a stall probe may run: the first, or one ``STALL_CALLS`` calls after the
-        last lowering of the threshold, where the last probe lowered it. Half the sparsest
-        direction a probe saw can still lie above the last samples' zeros when it came early
-        (a trained float32 hidden layer in input mode, b = 16: a probe on the whole layer saw
-        224 zeros and set 112, the last 3 samples have fewer; one on the residual problem saw
-        193 and set 96). Each probe that lowers it lowers it further, to ``b + ADAPTED_SPARE``
-        at least, so the probes are few."""
+        last lowering of the threshold, where the last probe lowered it. A probe that comes
+        early (the streak of drops) sees the sparsest columns, and half of the sparsest can
+        still lie above the zeros of the densest ones, which a later probe on the residual
+        problem sees. Each probe that lowers it lowers it further, to ``b + ADAPTED_SPARE`` at
+        least, so the probes are few; one that lowers nothing ends them."""
         if not self.adapted:
             return True
         lowered = self.lowered_at

@@ -215,3 +215,18 @@ def test_input_mode_judges_the_batch_its_samples_certified_one_by_one():
     assert rec.verified and rec.stats.certified == 32
     assert any(note.startswith("the batch is the samples certified one by one") for note in rec.notes)
     assert_exact(rec.inputs.to(inputs.dtype), inputs, rtol=1e-3)
+
+
+def test_a_linear_program_stops_at_the_deadline():
+    # a cold solve of a wide factor takes ~0.5 s (m = 1000, b = 256), past the descent's own
+    # deadline checks: HiGHS is given the time left (its limit counts the instance's whole run
+    # time), and a deadline already passed solves nothing. Neither reads as signed inputs
+    from spear.core.deadline import Deadline
+
+    L = _sparse_nonnegative(24, 120, 0.6, seed=3).T.double() @ torch.randn(24, 24, dtype=torch.float64)
+    lp = SliceLP(L.numpy())
+    weights = np.ones(L.shape[0])
+    assert lp.vertex(weights, Deadline(at=0.0)) is None and not lp.infeasible
+    far = Deadline.after(3600.0)
+    assert lp.vertex(weights, far) is not None
+    assert lp.vertex(weights) is not None and not lp.infeasible

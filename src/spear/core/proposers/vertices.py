@@ -36,12 +36,14 @@ from __future__ import annotations
 import os
 import sys
 import threading
+import time
 
 import highspy
 import numpy as np
 import torch
 
 from spear import checks
+from spear.core.deadline import NEVER, Deadline
 from spear.core.proposers.base import (
     DirectionProposer,
     ProposalBatch,
@@ -155,9 +157,16 @@ class SliceLP:
         """``L q``, in the factor's own units."""
         return (self.A @ q) * self.scale
 
-    def vertex(self, weights: np.ndarray) -> np.ndarray | None:
-        """The q of the vertex of P minimizing ``weights . L q``; None when the solve fails, or
-        P is empty (``infeasible``)."""
+    def vertex(self, weights: np.ndarray, deadline: Deadline = NEVER) -> np.ndarray | None:
+        """The q of the vertex of P minimizing ``weights . L q``; None when the solve fails, P is
+        empty (``infeasible``), or ``deadline`` passes first (HiGHS stops the solve there: a cold
+        solve of a wide factor takes ~0.5 s, m = 1000, b = 256)."""
+        if deadline.at is not None:
+            left = deadline.at - time.perf_counter()
+            if left <= 0:
+                return None
+            # HiGHS's time limit counts the instance's whole run time, over every solve
+            self.solver.setOptionValue("time_limit", self.solver.getRunTime() + left)
         self.solver.changeColsCost(self.columns.size, self.columns, (weights * self.scale) @ self.A)
         self.solver.run()
         status = self.solver.getModelStatus()
@@ -224,7 +233,7 @@ class VertexProposer(DirectionProposer):
         """Capped-l1 steps from the vertex of ``weights`` until the vertex repeats or has
         ``DEGENERATE`` times a generic vertex's b - 1 zeros; its q."""
         zero, live = max(ZERO_RTOL, ctx.zero_rtol), self._lp.live
-        q = self._lp.vertex(weights)
+        q = self._lp.vertex(weights, ctx.deadline)
         for _ in range(self.max_steps):
             if q is None or ctx.deadline.passed():
                 return q
@@ -234,7 +243,7 @@ class VertexProposer(DirectionProposer):
             if not nonzero.any() or zeros >= DEGENERATE * (ctx.batch_size - 1):
                 return q
             small = x < self.cap * np.median(x[nonzero])
-            step = self._lp.vertex(np.where(small, 1.0, FREE_WEIGHT))
+            step = self._lp.vertex(np.where(small, 1.0, FREE_WEIGHT), ctx.deadline)
             if step is None or np.allclose(step, q, rtol=1e-9, atol=1e-12 * np.abs(q).max()):
                 return q if step is None else step
             q = step

@@ -561,7 +561,7 @@ def test_a_probe_that_lowered_the_threshold_may_be_followed_by_another():
 
     attack, _ = _attack_on_client(16)
     assert attack._may_probe_again()
-    attack.adapted, attack.stall_probed_at, attack.lowered_at = True, 5, 5
+    attack.stall_probed_at, attack.lowered_at = 5, 5
     attack.calls = 5 + reconstruct.STALL_CALLS - 1
     assert not attack._may_probe_again()
     attack.calls = 5 + reconstruct.STALL_CALLS

@@ -516,8 +516,7 @@ class _Attack:
         self.calls = 0
         self.probed = False
         self.weights_seen: list[float] = []  # loss weights the model certificate fitted
-        self.adapted = False  # the filter's threshold was (or will not be) adapted
-        self.stall_probed_at = -1  # the call of the last stall probe
+        self.stall_probed_at = -1  # the call of the last stall probe (-1: none yet)
         self.lowered_at: int | None = None  # the call that last lowered the threshold
         self.first_threshold = setup.threshold  # Section 4.1's, which a note names when lowered
         self.trusted_seen, self.last_progress = 0, 0  # for _check_stall
@@ -1147,7 +1146,7 @@ class _Attack:
         waited = self.calls - self.last_progress >= patience
         if not self._may_probe_again() or not self._lacks_directions() or not (waited or streak):
             return
-        self.adapted, self.stall_probed_at = True, self.calls
+        self.stall_probed_at = self.calls
         ctx = self.search.ctx
         probe = probe_sparse_directions(ctx, s.tol.zero_rtol, s.tol.zero_floor, self.pool.known_masks)
         if not probe.probed or probe.looks_dense(ctx.batch_size, ctx.rows):
@@ -1160,6 +1159,11 @@ class _Attack:
         if self.search.basis is not None:
             snapped = lift(snapped, self.search.basis)
         self._absorb(snapped.select(snapped.zero_counts >= s.threshold))
+
+    @property
+    def adapted(self) -> bool:
+        """Whether a stall probe ran or the threshold was lowered (by any probe)."""
+        return self.stall_probed_at >= 0 or self.lowered_at is not None
 
     def _may_probe_again(self) -> bool:
         """Whether a stall probe may run: the first, or one ``STALL_CALLS`` calls after the
@@ -1193,7 +1197,7 @@ class _Attack:
         (:func:`~spear.core.diagnosis.adapted_threshold`)."""
         if threshold >= self.setup.threshold:
             return
-        self.adapted, self.lowered_at = True, self.calls
+        self.lowered_at = self.calls
         mode = self.setup.options.sparsity
         note = below_threshold_note(sparsest, rows, self.first_threshold, threshold, mode)
         self.notes = [n for n in self.notes if not n.startswith(BELOW_THRESHOLD_NOTE_START)] + [note]

@@ -405,3 +405,10 @@ def test_model_certificate_checks_samples_in_groups_and_stops_at_the_deadline(mo
     small = Certifier(10)
     ModelGate(small).check(x, d, pinned, deadline=Deadline.after(3600.0))
     assert small.calls == [8]
+
+
+def test_seconds_left_reads_the_one_clock():
+    # no wall-clock bound: a deadline an hour away has time left, one in the past has none
+    assert NEVER.seconds_left() is None
+    assert Deadline.after(3600.0).seconds_left() > 0
+    assert Deadline(at=0.0).seconds_left() < 0

@@ -29,6 +29,10 @@ class Deadline:
     def passed(self) -> bool:
         return self.at is not None and time.perf_counter() >= self.at
 
+    def seconds_left(self) -> float | None:
+        """Seconds until the deadline (negative once passed); None when there is none."""
+        return None if self.at is None else self.at - time.perf_counter()
+
 
 #: a deadline that never passes
 NEVER = Deadline(None)

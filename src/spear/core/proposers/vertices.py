@@ -36,7 +36,6 @@ from __future__ import annotations
 import os
 import sys
 import threading
-import time
 
 import highspy
 import numpy as np
@@ -161,8 +160,8 @@ class SliceLP:
         """The q of the vertex of P minimizing ``weights . L q``; None when the solve fails, P is
         empty (``infeasible``), or ``deadline`` passes first (HiGHS stops the solve there: a cold
         solve of a wide factor takes ~0.5 s, m = 1000, b = 256)."""
-        if deadline.at is not None:
-            left = deadline.at - time.perf_counter()
+        left = deadline.seconds_left()
+        if left is not None:
             if left <= 0:
                 return None
             # HiGHS's time limit counts the instance's whole run time, over every solve

@@ -573,6 +573,44 @@ def test_a_probe_that_lowered_the_threshold_may_be_followed_by_another():
     assert not attack._may_probe_again()
 
 
+def test_a_probe_that_lowered_nothing_is_followed_by_another_while_sparse_drops_go_on():
+    # ... unless the search's own calls keep dropping ReLU-sparse directions for the threshold
+    # alone: then another probe STALL_CALLS calls later, and twice as long after each further
+    # probe that lowers nothing; a lowering starts the count again
+    from spear.core import reconstruct
+
+    attack, _ = _attack_on_client(16)
+    stall, streak = reconstruct.STALL_CALLS, reconstruct.PROBE_AFTER_CALLS
+    attack.stall_probed_at, attack.lowered_at, attack.fruitless_probes = 5, None, 1
+    attack.calls, attack.drop_streak = 5 + stall, streak - 1  # no streak: no probe
+    assert not attack._may_probe_again()
+    attack.drop_streak = streak
+    assert attack._may_probe_again()
+    attack.calls = 5 + stall - 1
+    assert not attack._may_probe_again()
+    attack.fruitless_probes = 2  # the second probe in a row that lowered nothing
+    attack.calls = 5 + 2 * stall - 1
+    assert not attack._may_probe_again()
+    attack.calls = 5 + 2 * stall
+    assert attack._may_probe_again()
+    attack.drop_streak = 0
+    assert not attack._may_probe_again()
+
+
+def test_the_stall_probe_counts_the_probes_that_lowered_nothing(monkeypatch):
+    # _check_stall's bookkeeping behind the rule above: a probe that lowers nothing adds one, a
+    # probe that lowers the threshold starts the count again
+    from spear.core import reconstruct
+
+    attack, _ = _attack_on_client(16)
+    monkeypatch.setattr(reconstruct, "probe_sparse_directions", lambda *args: _NotProbed())
+    attack.calls = reconstruct.STALL_CALLS  # a stall: the first probe
+    attack._check_stall()
+    assert (attack.stall_probed_at, attack.fruitless_probes) == (reconstruct.STALL_CALLS, 1)
+    attack._adapt_threshold(attack.setup.threshold - 1, attack.setup.threshold - 1, 100)
+    assert attack.fruitless_probes == 0
+
+
 class _NotProbed:
     probed = False
 

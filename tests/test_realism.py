@@ -132,6 +132,21 @@ def test_trained_hidden_layer_lowers_its_threshold_soon(mnist):
     assert_labels(rec, inputs, labels)
 
 
+def test_trained_hidden_layer_probes_again_while_the_search_drops_sparse_columns(mnist):
+    # b = 64 at seed 4 (the realism matrix's seeds 3-5): the first stall probe, at call 3 on
+    # the residual problem, found nothing sparser than 61 zeros and lowered nothing, while the
+    # search kept dropping directions with ~180 zeros under the threshold of 190 at nearly every
+    # call (850k proposals in 30 s, 11 samples). A probe 20 calls later finds one of them robust
+    # and lowers the threshold (119k proposals)
+    model = trained_mlp(mnist, seed=4)
+    view, truth = simulate_fedsgd(model, mnist, 64, seed=4)
+    rec = spear.attack_layer(view.model, "2", view.gradients, seed=4, max_proposals=400_000)
+    assert rec.verified, rec.message
+    inputs = layer_inputs(view.model, "2", truth.inputs)
+    assert_exact(rec.inputs, inputs)
+    assert_labels(rec, inputs, truth.labels)
+
+
 def test_trained_network_is_no_harder(mnist):
     # the paper's Fig. 7: 200 SGD steps first (lr 0.05, batches of 64)
     model = fully_connected(mnist.features, 400, 4, seed=2)

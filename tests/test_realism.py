@@ -147,6 +147,25 @@ def test_trained_hidden_layer_probes_again_while_the_search_drops_sparse_columns
     assert_labels(rec, inputs, truth.labels)
 
 
+def test_a_float32_client_that_rounded_a_deeper_gate_across_zero_verifies():
+    # Fashion-MNIST, layer 2 in input mode, float32, b = 64, seed 2 (the realism matrix on
+    # Fashion-MNIST): one sample's pre-activation in layer 6 lay at 9.5e-9 of that layer's
+    # largest, and the client's float32 forward pass gated it the other way; its column, exact
+    # to the client's, missed the float64 tail's gradient by 8%, and the whole batch, every
+    # input exact, stopped unverified. The certificate's refit with that gate flipped verifies it
+    # (other CPUs may round that pre-activation to the same side: then nothing needs flipping)
+    from tests.conftest import load_fashion_mnist
+
+    data = load_fashion_mnist()
+    model = fully_connected(data.features, 500, 6, seed=2, dtype=torch.float32)
+    view, truth = simulate_fedsgd(model, data, 64, seed=2)
+    rec = spear.attack_layer(view.model, "2", view.gradients, seed=2, sparsity="input", max_proposals=200_000)
+    assert rec.verified, rec.message
+    inputs = layer_inputs(view.model, "2", truth.inputs)
+    assert_exact(rec.inputs.to(inputs.dtype), inputs, rtol=1e-3)
+    assert_labels(rec, inputs, truth.labels)
+
+
 def test_trained_network_is_no_harder(mnist):
     # the paper's Fig. 7: 200 SGD steps first (lr 0.05, batches of 64)
     model = fully_connected(mnist.features, 400, 4, seed=2)

@@ -351,6 +351,66 @@ def test_the_attack_verifies_a_batch_whose_client_rounded_a_pre_activation_acros
     assert exact(rec.inputs, batch.x.double(), 1e-4) and labels_exact(rec, batch.x.double(), batch.y)
 
 
+def _client_with_a_deeper_gate_rounded_across_zero(unit=3, offset=1e-9):
+    """A float64 MLP whose second hidden unit ``unit`` sits, for sample 0, ``offset`` (relative)
+    below zero, and the columns of dL/dZ at its first layer as a client computed them with that
+    pre-activation ``offset`` above zero instead (the client's rounding: the forward pass is
+    the same to 2 offsets, the backward pass carries the unit's whole path)."""
+    import copy
+
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(
+        torch.nn.Linear(12, 30),
+        torch.nn.ReLU(),
+        torch.nn.Linear(30, 20),
+        torch.nn.ReLU(),
+        torch.nn.Linear(20, 5),
+    ).double()
+    x = torch.rand(6, 12, dtype=torch.float64)
+    y = torch.randint(0, 5, (6,))
+    with torch.no_grad():
+        pre = net[2](net[1](net[0](x)))[0]
+    server, client = copy.deepcopy(net), copy.deepcopy(net)
+    with torch.no_grad():
+        server[2].bias[unit] -= pre[unit] + offset * pre.abs().max()
+        client[2].bias[unit] -= pre[unit] - offset * pre.abs().max()
+    seen = {}
+    hook = client[0].register_forward_hook(lambda mod, inp, out: out.retain_grad() or seen.update(z=out))
+    torch.nn.functional.cross_entropy(client(x), y, reduction="sum").backward()
+    hook.remove()
+    return server, x, seen["z"].grad.detach(), y
+
+
+def test_a_deeper_gate_the_client_rounded_across_zero_still_certifies():
+    # a unit of a later layer whose pre-activation lies within the client's rounding of zero
+    # can be gated either way in its float32 forward pass: the sample's column then carries (or
+    # lacks) that unit's whole backward path, and the plain float64 fit misses it (here by
+    # 19%). The certificate refits such a sample with the gates near zero flipped
+    from spear.certify import ModelCertifier, model_tail
+
+    server, x, dz, y = _client_with_a_deeper_gate_rounded_across_zero()
+    W, bias, tail = server[0].weight.detach(), server[0].bias.detach(), model_tail(server, "0")
+    certifier = ModelCertifier(tail, W, bias, rtol=1e-3)  # float32's tolerance and band
+    assert len(certifier.tail_relus) == 1  # the second ReLU; the layer's own has its band
+    cert = certifier(x, dz)
+    assert bool(cert.ok.all()) and torch.equal(cert.labels, y)
+    assert torch.allclose(cert.weights, torch.ones(6, dtype=torch.float64))  # a sum
+    certifier.tail_relus = []  # the counterfactual: no flips
+    plain = certifier(x, dz)
+    assert not bool(plain.ok[0]) and bool(plain.ok[1:].all()) and 0.1 < float(plain.misfit[0]) < 0.5
+    # outside the band nothing flips: the same unit 1e-3 of the largest below zero misses
+    far = _client_with_a_deeper_gate_rounded_across_zero(offset=1e-3)
+    far_cert = ModelCertifier(model_tail(far[0], "0"), far[0][0].weight, far[0][0].bias, rtol=1e-3)
+    assert not bool(far_cert(far[1], far[2]).ok[0])
+    # mixtures of two samples (inputs and columns alike) fail; the one mostly of sample 0 has
+    # that unit near zero too, and fails every variant of its gates
+    certifier = ModelCertifier(tail, W, bias, rtol=1e-3)
+    for a in (0.3, 0.99):
+        xm, dm = a * x[:1] + (1 - a) * x[1:2], a * dz[:1] + (1 - a) * dz[1:2]
+        assert not bool(certifier(xm, dm).ok[0])
+    assert certifier._near_zero_gates(xm @ W.T + bias) == [[(0, 3, True)]]
+
+
 def test_a_certifier_of_a_tail_that_is_not_sequential_has_no_band():
     from spear.certify import ModelCertifier
 

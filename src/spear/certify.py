@@ -46,7 +46,8 @@ PARALLEL_COS = 1.0 - 1e-4
 #: a sample no label fits is refitted with the gates of at most this many units of the tail's
 #: deeper ReLUs flipped (those nearest zero within the band; 2**this - 1 refits) ...
 TAIL_FLIPS = 3
-#: ... where its best label's misfit is at most this (a mixture of samples misses by more)
+#: ... where its best label's misfit is at most this: a bound on the work, since most
+#: mixtures of samples miss by more (those that do not fail the refits as they fail the fit)
 TAIL_FLIP_MISFIT = 0.5
 #: activations after which dL/dZ has no zeros
 DENSE_ACTIVATIONS = (

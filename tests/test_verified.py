@@ -395,6 +395,8 @@ def test_a_deeper_gate_the_client_rounded_across_zero_still_certifies():
     cert = certifier(x, dz)
     assert bool(cert.ok.all()) and torch.equal(cert.labels, y)
     assert torch.allclose(cert.weights, torch.ones(6, dtype=torch.float64))  # a sum
+    # a flipped fit never stands in for the layer's own pin (see the crafted mixture below)
+    assert not bool(cert.strong[0]) and bool(cert.strong[1:].all())
     certifier.tail_relus = []  # the counterfactual: no flips
     plain = certifier(x, dz)
     assert not bool(plain.ok[0]) and bool(plain.ok[1:].all()) and 0.1 < float(plain.misfit[0]) < 0.5
@@ -409,6 +411,98 @@ def test_a_deeper_gate_the_client_rounded_across_zero_still_certifies():
         xm, dm = a * x[:1] + (1 - a) * x[1:2], a * dz[:1] + (1 - a) * dz[1:2]
         assert not bool(certifier(xm, dm).ok[0])
     assert certifier._near_zero_gates(xm @ W.T + bias) == [[(0, 3, True)]]
+
+
+def test_a_flip_never_singles_out_one_of_two_labels_that_fit_alike():
+    # labels 1 and 2 differ only through a deeper unit that sits just below zero (closed for
+    # the client too): the plain fit cannot tell them apart, and the flip that opens the unit
+    # fits label 1 alone. A sample counts only when one label fits over every variant (an
+    # adversarial review: label 1 was certified, the true label being 2)
+    from spear.certify import ModelCertifier, model_tail
+
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(
+        torch.nn.Linear(8, 16),
+        torch.nn.ReLU(),
+        torch.nn.Linear(16, 10),
+        torch.nn.ReLU(),
+        torch.nn.Linear(10, 3),
+    ).double()
+    x, unit = torch.rand(1, 8, dtype=torch.float64), 4
+    with torch.no_grad():
+        pre = net[2](net[1](net[0](x)))[0]
+        net[2].bias[unit] -= pre[unit] + 1e-7 * pre.abs().max()
+        net[4].weight[2], net[4].bias[2] = net[4].weight[1], net[4].bias[1]
+        net[4].weight[:2, unit], net[4].weight[2, unit] = 0.0, 5.0
+        net[4].bias[0] += 20.0  # class 0 dominates: labels 1 and 2 have one gradient
+    z = net[0](x).detach().requires_grad_(True)
+    loss = torch.nn.functional.cross_entropy(net[1:](z), torch.tensor([2]), reduction="sum")
+    (column,) = torch.autograd.grad(loss, z)
+    certifier = ModelCertifier(model_tail(net, "0"), net[0].weight, net[0].bias, rtol=1e-3)
+    assert certifier._near_zero_gates(z.detach()) == [[(0, unit, False)]]
+    with certifier._flipped(((0, unit, False),)):
+        _, _, misfit = certifier._fit(z.detach(), column)
+    assert float(misfit[0, 1]) < 1e-3 < float(misfit[0, 2])  # the flip alone would pick label 1
+    assert not bool(certifier(x, column).ok[0])
+
+
+def test_a_flip_certificate_is_never_strong():
+    # each flip adds a direction the fit may match: a network built for it (a deeper unit whose
+    # incoming weights are a mixture's residual, just below zero at the mixture and closed at
+    # both samples, so no true column changes) makes a mixture of two samples fit (an
+    # adversarial review built it). Such a fit is not strong: the sample needs the layer's pin,
+    # which no mixture has
+    from spear.certify import ModelCertifier, model_tail
+
+    torch.manual_seed(1)
+    n, m, k, classes = 12, 30, 20, 5
+    net = torch.nn.Sequential(
+        torch.nn.Linear(n, m + 1), torch.nn.ReLU(), torch.nn.Linear(m + 1, k + 1), torch.nn.ReLU(),
+        torch.nn.Linear(k + 1, classes),
+    ).double()  # fmt: skip
+    v = k  # the crafted deeper unit, fed by the attacked layer's extra unit m
+    with torch.no_grad():
+        net[2].weight[v], net[2].bias[v], net[4].weight[:, v], net[2].weight[:, m] = 0.0, -1.0, 0.0, 0.0
+    x_a = torch.randn(n, dtype=torch.float64)
+    pattern = net[0](x_a)[:m] > 0
+    for _ in range(1000):  # x_b: another sample with x_a's pattern in the attacked layer
+        x_b = x_a + 0.6 * torch.randn(n, dtype=torch.float64)
+        if torch.equal(net[0](x_b)[:m] > 0, pattern):
+            break
+    with torch.no_grad():  # unit m: -1 at x_a, +1 at x_b
+        net[0].weight[m] = 2 * (x_b - x_a) / (x_b - x_a).dot(x_b - x_a)
+        net[0].bias[m] = -1 - float(net[0].weight[m] @ x_a)
+    X, y = torch.stack([x_a, x_b]), torch.tensor([2, 2])
+
+    def columns():
+        z = net[0](X).detach().requires_grad_(True)
+        return torch.autograd.grad(torch.nn.functional.cross_entropy(net[1:](z), y, reduction="sum"), z)[0]
+
+    c = columns()
+    x_m, d_m = 0.9 * x_a + 0.1 * x_b, 0.9 * c[0] + 0.1 * c[1]
+    certifier = ModelCertifier(model_tail(net, "0"), net[0].weight, net[0].bias, rtol=1e-3)
+    g, w, misfit = certifier._fit(net[0](x_m).detach()[None], d_m[None])
+    label = int(misfit[0].argmin())
+    residual = d_m - w[0, label] * g[0, label]
+    with torch.no_grad():
+        h = net[1](net[0](torch.stack([x_m, x_a, x_b])))
+        pre = net[2](h)
+        for sign in (1.0, -1.0):
+            weights = sign * residual / residual.norm()
+            weights[m] = -10.0  # active at x_b alone: keeps v closed there
+            bias = -float(weights @ h[0]) - 1e-6 * float(pre[0].abs().max())
+            if float(weights @ h[1]) + bias < 0 and float(weights @ h[2]) + bias < 0:
+                break
+        net[2].weight[v], net[2].bias[v] = weights, bias
+        e = torch.softmax(net(x_m[None]), 1)[0] - torch.nn.functional.one_hot(torch.tensor(label), classes)
+        net[4].weight[:, v] = e / e.dot(e) * float(residual.norm()) / float(w[0, label]) * sign
+    assert torch.equal(columns(), c)  # no true column moved
+    certifier = ModelCertifier(model_tail(net, "0"), net[0].weight, net[0].bias, rtol=1e-3)
+    cert = certifier(torch.stack([x_a, x_b, x_m]), torch.stack([c[0], c[1], d_m]))
+    assert bool(cert.ok.all()) and float(cert.misfit[2]) < 1e-12  # the mixture fits, flipped
+    assert bool(cert.strong[:2].all()) and not bool(cert.strong[2])  # but never strongly
+    certifier.tail_relus = []
+    assert not bool(certifier(x_m[None], d_m[None]).ok[0])
 
 
 def test_a_certifier_of_a_tail_that_is_not_sequential_has_no_band():

@@ -573,9 +573,9 @@ def _judge_by_model(
     weak = (~cert.strong & ~pinned & ~cert.saturated).nonzero()[:, 0].tolist()
     if weak:
         verdict.problems.append(
-            f"the model confirms sample(s) {weak} by a sign only (every label's gradient is parallel, "
-            "as with two classes), which mixtures of samples sharing a pattern pass too, and this "
-            "layer does not pin them"
+            f"the model confirms sample(s) {weak} by a fit that mixtures of samples can pass too (a "
+            "sign only: every label's gradient is parallel, as with two classes; or a fit with a "
+            "deeper ReLU gate flipped at the client's rounding), and this layer does not pin them"
         )
     multiples = aggregate_multiples(cert.weights, precision) if clients > 1 else []
     if multiples:

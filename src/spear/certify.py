@@ -377,30 +377,25 @@ class ModelCertifier:
         if not self.tail_relus or self.tail_band <= 0 or not retry.numel():
             return
         z = x[retry] @ self.weight.T + self.bias
-        first = torch.zeros(1, dtype=torch.long, device=x.device)
         for row, (position, gates) in enumerate(zip(retry.tolist(), self._near_zero_gates(z), strict=True)):
+            sample, column, tol = z[row : row + 1], d[position : position + 1], tolerance[[position]]
             fitting: set[int] = set()  # labels within the tolerance in some variant
-            chosen: SampleCertificates | None = None
-            for r in range(1, len(gates) + 1):
-                for flips in itertools.combinations(gates, r):
-                    with self._flipped(flips):
-                        _, weight, misfit = self._fit(z[row : row + 1], d[position : position + 1])
-                    misfit = torch.where(weight > 0, misfit, torch.inf)[0]
-                    fitting |= set((misfit <= tolerance[position]).nonzero()[:, 0].tolist())
-                    if chosen is None and int((misfit <= tolerance[position]).sum()) == 1:
-                        chosen = SampleCertificates.none(1, device=x.device)
-                        with self._flipped(flips):
-                            self._certify(
-                                chosen,
-                                first,
-                                z[row : row + 1],
-                                d[position : position + 1],
-                                tolerance[[position]],
-                            )
-            if chosen is None or len(fitting) != 1 or not bool(chosen.ok[0]):
+            chosen = None  # the first variant where one label alone fits
+            for flips in (c for r in range(1, len(gates) + 1) for c in itertools.combinations(gates, r)):
+                with self._flipped(flips):
+                    _, weight, misfit = self._fit(sample, column)
+                fits = (torch.where(weight > 0, misfit, torch.inf)[0] <= tol).nonzero()[:, 0].tolist()
+                fitting.update(fits)
+                chosen = flips if chosen is None and len(fits) == 1 else chosen
+            if chosen is None or len(fitting) != 1:
                 continue  # the plain fit's certificate stands
+            refit = SampleCertificates.none(1, device=x.device)
+            with self._flipped(chosen):
+                self._certify(refit, torch.zeros(1, dtype=torch.long, device=x.device), sample, column, tol)
+            if not bool(refit.ok[0]):
+                continue
             for field in ("ok", "labels", "weights", "misfit", "saturated"):
-                getattr(out, field)[position] = getattr(chosen, field)[0]
+                getattr(out, field)[position] = getattr(refit, field)[0]
             out.strong[position] = False
 
     def _near_zero_gates(self, z: torch.Tensor) -> list[list[tuple[int, int, bool]]]:

@@ -566,7 +566,10 @@ class _Attack:
         known_before = int(self.pool.trusted_mask.sum())
         added = self.pool.add(snapped)
         changed = bool(added) or int(self.pool.trusted_mask.sum()) != known_before
-        if not self.search.update(self.pool, self.peeled, changed, 0 if fresh is None else len(fresh)):
+        dropping = self.sparse_drop == self.calls  # this step dropped a ReLU-sparse direction
+        if not self.search.update(
+            self.pool, self.peeled, changed, 0 if fresh is None else len(fresh), dropping
+        ):
             self.peeler = None  # the last sample did not certify: peeling has done what it can
         # while peeling certifies samples the pool grows under the search: the swaps wait for
         # the next step that certifies none, changed pool or not (all b certified need none)

@@ -24,6 +24,9 @@ from spear.core.proposers import DirectionProposer, ProposalBatch, ProposalConte
 #: the search moves on to the residual problem of the unrecovered samples once this fraction of
 #: them has been peeled since the last move (each move makes the proposers start afresh)
 RESIDUAL_STEP = 0.1
+#: ... or, with at least one sample peeled since that move, once this many steps in a row have
+#: peeled none: the proposers have given what they can on this problem
+RESIDUAL_STALL_STEPS = 10
 
 
 def lift(snapped: SnapResult, basis: torch.Tensor) -> SnapResult:
@@ -60,6 +63,8 @@ class ResidualSearch:
         self.ctx = root
         self.basis: torch.Tensor | None = None
         self._peeled_at_move = 0
+        self._peeled_seen = 0  # samples peeled at the last update
+        self._quiet_steps = 0  # updates in a row since then that peeled none
         #: whether to move to the residual problem at all (only when the search's own directions
         #: are peeled; samples peeled otherwise, e.g. from singleton neurons, only join the pool)
         self.follows_peeling = True
@@ -180,7 +185,32 @@ class ResidualSearch:
         shared = lifted.select(~pinned & (lifted.zero_counts >= final))
         return SnapResult.concat([exact, shared])
 
-    def update(self, pool: CandidatePool, peeled: PeeledSamples, changed: bool, fresh: int) -> bool:
+    def _should_move(self, peeled: int, dropping: bool) -> bool:
+        """Whether to move to the residual problem of the samples not yet peeled: once a tenth
+        of them (``RESIDUAL_STEP``) was peeled since the last move, or once the search stalls
+        with fewer: ``RESIDUAL_STALL_STEPS`` steps in a row that peeled nothing and dropped no
+        ReLU-sparse direction for the threshold (``dropping``).
+
+        The stall rule matters where each residual problem offers the proposers only a few
+        columns: the next layer's zero sets of a trained network are intersections over many
+        samples, and only subtracting the peeled ones opens new sets. MNIST, 6 x 256, trained
+        200 steps, float32, b = 64: five columns of the residual problem of 57 samples, none
+        after, 10 of 64 in 30 s. A search that keeps dropping sparse directions stalls on its
+        threshold instead, which the stall probe lowers on the problem it probes; moving under
+        it there cost the probe its finds (MNIST, 6 x 500, layer 2, trained 200 steps, float64,
+        b = 64, seed 4: 1 of 10 attack seeds whole in 400k proposals, against 5 without the
+        rule)."""
+        if peeled != self._peeled_seen or dropping:
+            self._peeled_seen, self._quiet_steps = peeled, 0
+        else:
+            self._quiet_steps += 1
+        moved = peeled - self._peeled_at_move
+        step = max(1, math.ceil(RESIDUAL_STEP * (self.root.batch_size - self._peeled_at_move)))
+        return moved >= step or (moved >= 1 and self._quiet_steps >= RESIDUAL_STALL_STEPS)
+
+    def update(
+        self, pool: CandidatePool, peeled: PeeledSamples, changed: bool, fresh: int, dropping: bool = False
+    ) -> bool:
         """After a step: track the pool, and move to (or within) the residual problem.
 
         Returns False when the last sample's direction did not certify: the search is back on
@@ -192,9 +222,7 @@ class ResidualSearch:
         if self.on_last_sample and fresh == 0:
             self.ctx, self.basis = self.root, None
             return False
-        moved = len(peeled) - self._peeled_at_move
-        step = max(1, math.ceil(RESIDUAL_STEP * (b - self._peeled_at_move)))
-        if self.follows_peeling and len(peeled) < b and moved >= step:
+        if self._should_move(len(peeled), dropping) and self.follows_peeling and len(peeled) < b:
             assert self.root.problem is not None
             rest, self.basis = residual_problem(self.root.problem, peeled)
             self.ctx = ProposalContext(

@@ -199,7 +199,7 @@ class ResidualSearch:
         threshold instead, which the stall probe lowers on the problem it probes; moving under
         it there cost the probe its finds (MNIST, 6 x 500, layer 2, trained 200 steps, float64,
         b = 64, seed 4: 1 of 10 attack seeds whole in 400k proposals, against 5 without the
-        rule)."""
+        stall rule and 6 with this exception). Counts the step: call it once per update."""
         if peeled != self._peeled_seen or dropping:
             self._peeled_seen, self._quiet_steps = peeled, 0
         else:

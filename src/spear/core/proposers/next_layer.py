@@ -121,7 +121,7 @@ class NextLayerProposer(DirectionProposer):
         if g == 1:
             return K.T, 0
         M = ctx.L @ K  # (m, g): L on the subspace
-        outside, flat = self._rows_that_tell(ctx, mask, M)
+        outside = (~mask).nonzero()[:, 0]
         if outside.numel() < g - 1:
             return none, 0
         tries = self.tries_per_set * 2 ** (g - 1)
@@ -132,7 +132,7 @@ class NextLayerProposer(DirectionProposer):
         values = (M[outside] @ v.T).abs()  # (outside, tries)
         zeros = (values <= ctx.zero_rtol * values.amax(dim=0, keepdim=True)).sum(dim=0)
         # more zeros than the chosen rows (a column, not a mixture) and enough of them in all
-        sparse, total = zeros > 2 * (g - 1), zeros + int(mask.sum()) + flat
+        sparse, total = zeros > 2 * (g - 1), zeros + int(mask.sum())
         good = sparse & (total >= ctx.threshold_count)
         # dropped for the threshold alone, and nearer a column's half of the rows outside the set
         # than the quarter a mixture of two of the g columns keeps (their shared zeros)
@@ -143,28 +143,6 @@ class NextLayerProposer(DirectionProposer):
         q = v[good] @ K.T
         signature = values[:, good] <= ctx.zero_rtol * values[:, good].amax(dim=0, keepdim=True)
         return q[first_occurrences(signature.T, None)], below
-
-    @staticmethod
-    def _rows_that_tell(
-        ctx: ProposalContext, mask: torch.Tensor, M: torch.Tensor
-    ) -> tuple[torch.Tensor, int]:
-        """The rows outside the zero set on which the subspace's directions differ (indices),
-        and how many rows outside it are *flat*: within ``zero_rtol`` of M's largest row, so
-        that every direction of the subspace, a mixture as much as a column, vanishes there.
-
-        Flat rows tell no column from a mixture, so they are neither chosen nor counted as a
-        direction's own zeros (they still count towards the threshold). They are the rows of
-        neurons that none of the subspace's samples reaches, which an exact zero set contains;
-        in a residual problem built from float32 peeled samples, the next layer's gradient holds
-        rounding errors where it had exact zeros, and the zero sets miss them. Counted as zeros,
-        they made every direction of such a subspace look sparse (Fashion-MNIST, 6 x 500, layer
-        2, trained 200 steps, float32, b = 64: 12 to 43 flat rows per set, every try kept, 40k
-        mixtures from one call on the residual problem of 22 samples, which took the rest of the
-        budget)."""
-        size = M.norm(dim=1)
-        flat = size <= ctx.zero_rtol * size.amax()
-        outside = (~mask & ~flat).nonzero()[:, 0]
-        return outside, int((~mask & flat).sum())
 
     def propose(self, ctx: ProposalContext, max_proposals: int) -> ProposalBatch:
         self._prepare(ctx)

@@ -327,6 +327,54 @@ def test_next_layer_with_a_mixture_subspace_yields_only_true_directions():
     assert accepted_are_true(snapped, Qt)
 
 
+def test_next_layer_proposes_columns_not_their_mixtures_when_the_threshold_is_low():
+    # after the search lowers its threshold (a trained layer's sparse columns), the threshold no
+    # longer keeps a mixture of a subspace's columns out; its zeros are those its columns share
+    # plus the g - 1 rows solved for, so the columns' zero sets, which contain them, are maximal
+    *_, ctx, Qt = _mnist_problem(48, 480, 14)
+    ctx.threshold_count = 0
+    batch = NextLayerProposer().propose(ctx, 10_000)
+    overlap = (batch.directions @ Qt).abs()
+    exact = overlap.amax(dim=1) > 1 - 1e-9
+    assert len(set(overlap[exact].argmax(dim=1).tolist())) >= 40  # the columns all still come out
+    assert int((~exact).sum()) <= 0.2 * batch.directions.shape[0]  # without mixtures: 486 of 584 were
+
+
+def test_maximal_zero_signatures_drop_mixtures_with_the_rows_solved_for():
+    from spear.core.proposers.next_layer import _maximal
+
+    column_a = torch.tensor([1, 1, 1, 1, 0, 0, 0, 0, 0, 0], dtype=torch.bool)
+    column_b = torch.tensor([0, 0, 0, 1, 1, 1, 1, 1, 0, 0], dtype=torch.bool)
+    mixture = column_a & column_b  # row 3: both inactive
+    mixture[9] = True  # and the one row solved for (g = 2), where neither is zero
+    beyond = torch.zeros(10, dtype=torch.bool)
+    beyond[[1, 8, 9]] = True  # two rows outside a's zeros: more than g - 1
+    signatures = torch.stack([mixture, column_a, column_b, beyond])
+    assert _maximal(signatures, slack=1).tolist() == [1, 2, 3]
+    assert _maximal(signatures, slack=2).tolist() == [1, 2]  # within a's zeros up to the slack
+
+
+def test_informative_rows_skip_rows_every_column_leaves_at_zero_whatever_the_columns_scales():
+    # a float32 residual gradient misses zeros of the next layer: rows where every sample
+    # behind a set is inactive stay outside the set; they vanish for every direction of the
+    # subspace. A faint sample's rows are small beside a loud one's but must stay
+    from spear.core.proposers.next_layer import _informative_rows
+
+    g = torch.Generator().manual_seed(0)
+    C = torch.randn(60, 3, generator=g, dtype=torch.float64)
+    C[:20, 0] = 0  # rows 0-19: only samples 1, 2 active
+    C[20:40, 1:] = 0  # rows 20-39: only sample 0, the faint one
+    C[40:50] = 0  # rows 40-49: nobody active (flat)
+    C[:, 0] *= 1e-6
+    noise = 1e-12 * torch.randn(60, 3, generator=g, dtype=torch.float64)
+    M = (C + noise) @ torch.randn(3, 3, generator=g, dtype=torch.float64)  # any basis of the span
+    candidates = torch.ones(60, dtype=torch.bool)
+    candidates[50:] = False  # the zero set
+    rows, flat = _informative_rows(M, candidates, 1e-4)
+    assert flat == 10
+    assert rows.tolist() == list(range(40))
+
+
 def test_attack_layer_passes_the_next_layer_gradient():
     view, *_ = _mnist_problem(24, 240, 16)
     rec = spear.attack_layer(view.model, "0", view.gradients, proposer="next_layer", max_proposals=1)

@@ -121,18 +121,18 @@ class NextLayerProposer(DirectionProposer):
         if g == 1:
             return K.T, 0
         M = ctx.L @ K  # (m, g): L on the subspace
-        outside = (~mask).nonzero()[:, 0]
+        outside, flat = _informative_rows(M, ~mask, ctx.zero_rtol)
         if outside.numel() < g - 1:
             return none, 0
         tries = self.tries_per_set * 2 ** (g - 1)
         noise = torch.rand(tries, outside.numel(), generator=ctx.generator).to(M.device)
-        picks = outside[noise.argsort(dim=1)[:, : g - 1]]  # (tries, g-1)
-        _, _, Vh = torch.linalg.svd(M[picks], full_matrices=True)  # (tries, g, g)
-        v = Vh[:, -1, :]  # kernel of the g-1 chosen rows
+        picks = outside[noise.topk(g - 1, dim=1, largest=False).indices]  # (tries, g-1), distinct
+        # kernel of the g-1 chosen rows: the last column of a complete QR of their transpose
+        v = torch.linalg.qr(M[picks].transpose(1, 2), mode="complete")[0][:, :, -1]
         values = (M[outside] @ v.T).abs()  # (outside, tries)
         zeros = (values <= ctx.zero_rtol * values.amax(dim=0, keepdim=True)).sum(dim=0)
         # more zeros than the chosen rows (a column, not a mixture) and enough of them in all
-        sparse, total = zeros > 2 * (g - 1), zeros + int(mask.sum())
+        sparse, total = zeros > 2 * (g - 1), zeros + int(mask.sum()) + flat
         good = sparse & (total >= ctx.threshold_count)
         # dropped for the threshold alone, and nearer a column's half of the rows outside the set
         # than the quarter a mixture of two of the g columns keeps (their shared zeros)
@@ -142,7 +142,8 @@ class NextLayerProposer(DirectionProposer):
             return none, below
         q = v[good] @ K.T
         signature = values[:, good] <= ctx.zero_rtol * values[:, good].amax(dim=0, keepdim=True)
-        return q[first_occurrences(signature.T, None)], below
+        first = first_occurrences(signature.T, None)
+        return q[first[_maximal(signature.T[first], g - 1)]], below
 
     def propose(self, ctx: ProposalContext, max_proposals: int) -> ProposalBatch:
         self._prepare(ctx)
@@ -163,3 +164,38 @@ class NextLayerProposer(DirectionProposer):
             tried += self.tries_per_set * 2 ** (K.shape[1] - 1) if K.shape[1] > 1 else 1
         directions = torch.cat(found) if found else ctx.L.new_empty(0, b)
         return ProposalBatch(directions, n_drawn=tried, below_threshold=below)
+
+
+def _informative_rows(
+    M: torch.Tensor, candidates: torch.Tensor, zero_rtol: float
+) -> tuple[torch.Tensor, int]:
+    """The rows of ``candidates`` where some direction of the subspace is nonzero, and how many
+    are not: rows every sample behind the set leaves inactive. They belong in the zero set, but a
+    float32 gradient's rounding can keep them out of it; there they vanish for every direction, so
+    they would make every mixture look sparse and, picked as rows to solve, leave its kernel free.
+
+    Judged on an orthonormal basis of ``M``'s columns (the span of the g samples' columns, whatever
+    their scales), each basis vector against its own largest entry: a faint sample's rows stay."""
+    U = torch.linalg.svd(M, full_matrices=False)[0].abs()
+    rows = candidates.nonzero()[:, 0]
+    flat = (U[rows] <= zero_rtol * U.amax(dim=0)).all(dim=1)
+    return rows[~flat], int(flat.sum())
+
+
+def _maximal(signatures: torch.Tensor, slack: int) -> torch.Tensor:
+    """Indices of the zero signatures (k x rows) no other one strictly contains.
+
+    A mixture of some of the g columns vanishes exactly where all of them do: its zeros are a
+    subset of each of theirs. Where the samples behind a set are sparse (a trained network),
+    mixtures keep many zeros and pass as sparse by the thousand; the columns are the maximal ones."""
+    S = signatures.to(torch.float32)
+    size = S.sum(dim=1)
+    order = size.argsort(descending=True, stable=True)
+    kept: list[int] = []
+    for i in order.tolist():
+        if kept:
+            inside = S[kept] @ S[i]
+            if bool(((inside >= size[i] - slack) & (size[kept] > size[i])).any()):
+                continue
+        kept.append(i)
+    return torch.tensor(sorted(kept), dtype=torch.long, device=signatures.device)

@@ -11,7 +11,9 @@ directions ``q_j`` of those g samples (Theorem 3.3, applied to a set of columns 
 * g = 1: ``S_k`` is (inside) one sample's zero set, and its kernel *is* the direction;
 * small g: the g sparse directions of a g-dimensional subspace are found by sampling in it, i.e.
   by adding g-1 random rows outside ``S_k``, which succeeds with probability about
-  ``g 2^-(g-1)`` (Lemma 5.2 with b = g) instead of ``b 2^-(b-1)``.
+  ``g 2^-(g-1)`` (Lemma 5.2 with b = g) instead of ``b 2^-(b-1)``. A mixture of some of the g
+  columns vanishes where they all do (and on the rows solved for), so of the directions found
+  only those whose zeros no sparser one contains are proposed.
 
 Every direction goes through the core's exact snapping, so a wrong one is rejected there. With no
 exact zeros in the layer above (another activation, noise) the proposer has nothing to offer and
@@ -112,10 +114,12 @@ class NextLayerProposer(DirectionProposer):
         self, ctx: ProposalContext, mask: torch.Tensor, K: torch.Tensor
     ) -> tuple[torch.Tensor, int]:
         """Sparse directions of the subspace K: kernels of g-1 random rows outside the zero set,
-        kept when L q has zeros beyond the rows chosen (a mixture of the g columns has none) and
-        as many as the sparsity threshold asks; with the most zeros of the column-like ones it
-        dropped for the threshold alone (:attr:`ProposalBatch.below_threshold`, see
-        ``COLUMN_LIKE_FRACTION``)."""
+        kept when L q has zeros beyond the rows chosen (a generic mixture of the g columns has
+        none) and as many as the sparsity threshold asks, and only the maximal zero signatures
+        among them (:func:`_maximal`); with the most zeros of the column-like ones it dropped for
+        the threshold alone (:attr:`ProposalBatch.below_threshold`, see ``COLUMN_LIKE_FRACTION``).
+        Rows on which the whole subspace vanishes (:func:`_informative_rows`) are never chosen
+        and count as zeros of every direction, as they would inside the zero set."""
         g = K.shape[1]
         none = K.new_empty(0, K.shape[0])
         if g == 1:
@@ -183,11 +187,15 @@ def _informative_rows(
 
 
 def _maximal(signatures: torch.Tensor, slack: int) -> torch.Tensor:
-    """Indices of the zero signatures (k x rows) no other one strictly contains.
+    """Indices of the zero signatures (k x rows) that no sparser one contains, but for at most
+    ``slack`` of their rows; taken sparsest first, each against those kept.
 
-    A mixture of some of the g columns vanishes exactly where all of them do: its zeros are a
-    subset of each of theirs. Where the samples behind a set are sparse (a trained network),
-    mixtures keep many zeros and pass as sparse by the thousand; the columns are the maximal ones."""
+    A mixture of some of the g columns vanishes where all of them do, and on the g - 1 rows it
+    was solved on (``slack``): but for those, its zeros lie inside each column's. Where the
+    samples behind a set are sparse (a trained network), mixtures keep many zeros and pass as
+    sparse by the thousand once the search has lowered its threshold; the columns are the
+    maximal ones. A sample whose active rows contain all of another's can go with the mixtures
+    here; it comes once the other is peeled."""
     S = signatures.to(torch.float32)
     size = S.sum(dim=1)
     order = size.argsort(descending=True, stable=True)

@@ -354,6 +354,33 @@ def test_maximal_zero_signatures_drop_mixtures_with_the_rows_solved_for():
     assert _maximal(signatures, slack=2).tolist() == [1, 2]  # within a's zeros up to the slack
 
 
+def test_maximal_zero_signatures_match_the_one_by_one_reference_across_blocks():
+    # the blocks of MAXIMAL_BLOCK signatures must decide as taking them one by one, sparsest
+    # first, each against those kept: mixtures (shared zeros of 1-2 of 10 columns, plus a few
+    # rows solved for) over three blocks
+    from spear.core.proposers.next_layer import MAXIMAL_BLOCK, _maximal
+
+    def reference(signatures, slack):
+        sizes = signatures.sum(dim=1)
+        kept = []
+        for i in sizes.argsort(descending=True, stable=True).tolist():
+            shared = [int((signatures[j] & signatures[i]).sum()) for j in kept]
+            pairs = zip(shared, kept, strict=True)
+            sparser = [n >= sizes[i] - slack and sizes[j] > sizes[i] for n, j in pairs]
+            if not any(sparser):
+                kept.append(i)
+        return sorted(kept)
+
+    g = torch.Generator().manual_seed(3)
+    columns = torch.rand(10, 60, generator=g) < 0.6
+    pairs = torch.randint(0, 10, (2 * MAXIMAL_BLOCK + 100, 2), generator=g)
+    single = torch.rand(pairs.shape[0], 1, generator=g) < 0.3
+    signatures = columns[pairs[:, 0]] & (columns[pairs[:, 1]] | single)
+    signatures |= torch.rand(signatures.shape, generator=g) < 0.04
+    for slack in (0, 2, 5):
+        assert _maximal(signatures, slack).tolist() == reference(signatures, slack)
+
+
 def test_informative_rows_skip_rows_every_column_leaves_at_zero_whatever_the_columns_scales():
     # a float32 residual gradient misses zeros of the next layer: rows where every sample
     # behind a set is inactive stay outside the set; they vanish for every direction of the

@@ -36,6 +36,8 @@ ZERO_RTOL = 1e-12
 COLUMN_LIKE_FRACTION = 3 / 8
 #: cost-estimate equivalent of the fixed work per zero set and call (see ``cost``)
 PER_SET_OVERHEAD = 5e6
+#: zero signatures compared at once in :func:`_maximal` (one matrix product per block)
+MAXIMAL_BLOCK = 256
 
 
 class NextLayerProposer(DirectionProposer):
@@ -188,7 +190,8 @@ def _informative_rows(
 
 def _maximal(signatures: torch.Tensor, slack: int) -> torch.Tensor:
     """Indices of the zero signatures (k x rows) that no sparser one contains, but for at most
-    ``slack`` of their rows; taken sparsest first, each against those kept.
+    ``slack`` of their rows; taken sparsest first, each against those kept (block by block:
+    thousands of signatures that do not nest cost matrix products, not a loop of them).
 
     A mixture of some of the g columns vanishes where all of them do, and on the g - 1 rows it
     was solved on (``slack``): but for those, its zeros lie inside each column's. Where the
@@ -199,11 +202,17 @@ def _maximal(signatures: torch.Tensor, slack: int) -> torch.Tensor:
     S = signatures.to(torch.float32)
     size = S.sum(dim=1)
     order = size.argsort(descending=True, stable=True)
-    kept: list[int] = []
-    for i in order.tolist():
-        if kept:
-            inside = S[kept] @ S[i]
-            if bool(((inside >= size[i] - slack) & (size[kept] > size[i])).any()):
-                continue
-        kept.append(i)
-    return torch.tensor(sorted(kept), dtype=torch.long, device=signatures.device)
+    S, size = S[order], size[order]
+    keep = torch.zeros(S.shape[0], dtype=torch.bool, device=S.device)
+    for start in range(0, S.shape[0], MAXIMAL_BLOCK):
+        block, sizes = S[start : start + MAXIMAL_BLOCK], size[start : start + MAXIMAL_BLOCK]
+        need = (sizes - slack)[:, None]
+        kept = keep[:start].nonzero()[:, 0]
+        # inside a sparser one kept before this block; then inside a sparser one kept in it
+        local = ~((block @ S[kept].T >= need) & (size[kept][None, :] > sizes[:, None])).any(dim=1)
+        inside = ((block @ block.T >= need) & (sizes[None, :] > sizes[:, None])).cpu()
+        local = local.cpu()
+        for i in range(1, local.numel()):
+            local[i] = local[i] and not bool((inside[i, :i] & local[:i]).any())
+        keep[start : start + MAXIMAL_BLOCK] = local.to(keep.device)
+    return order[keep].sort().values

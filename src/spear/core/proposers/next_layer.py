@@ -136,7 +136,8 @@ class NextLayerProposer(DirectionProposer):
         # kernel of the g-1 chosen rows: the last column of a complete QR of their transpose
         v = torch.linalg.qr(M[picks].transpose(1, 2), mode="complete")[0][:, :, -1]
         values = (M[outside] @ v.T).abs()  # (outside, tries)
-        zeros = (values <= ctx.zero_rtol * values.amax(dim=0, keepdim=True)).sum(dim=0)
+        zero = values <= ctx.zero_rtol * values.amax(dim=0, keepdim=True)  # each try's own scale
+        zeros = zero.sum(dim=0)
         # more zeros than the chosen rows (a column, not a mixture) and enough of them in all
         sparse, total = zeros > 2 * (g - 1), zeros + int(mask.sum()) + flat
         good = sparse & (total >= ctx.threshold_count)
@@ -147,7 +148,7 @@ class NextLayerProposer(DirectionProposer):
         if not bool(good.any()):
             return none, below
         q = v[good] @ K.T
-        signature = values[:, good] <= ctx.zero_rtol * values[:, good].amax(dim=0, keepdim=True)
+        signature = zero[:, good]
         first = first_occurrences(signature.T, None)
         return q[first[_maximal(signature.T[first], g - 1)]], below
 

@@ -53,6 +53,12 @@ CERTIFIED_BATCH_NOTE = (
     "over every sample)"
 )
 
+#: the note of a result that is the certified samples' directions solved again jointly
+JOINT_CERTIFIED_NOTE = (
+    "the batch is the samples certified one by one, their directions polished and assembled from "
+    "all b at once (more precise than each as peeled, from its residual problem)"
+)
+
 
 @dataclass(frozen=True)
 class CertifiedBatch:

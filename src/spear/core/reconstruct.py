@@ -21,7 +21,13 @@ import torch
 
 from spear import theory
 from spear.core.certificate import SampleCertificates, SampleCertifier
-from spear.core.certified_batch import CERTIFIED_BATCH_NOTE, activation_residuals, certified_batch
+from spear.core.certified_batch import (
+    CERTIFIED_BATCH_NOTE,
+    JOINT_CERTIFIED_NOTE,
+    activation_residuals,
+    certified_batch,
+    pool_positions,
+)
 from spear.core.consistency import (
     RESOLVABLE_SLACK,
     Tolerances,
@@ -909,9 +915,9 @@ class _Attack:
 
     def _judge_certified(self) -> None:
         """Once b samples are certified one by one and the selection is not verified, the batch
-        they form (:mod:`spear.core.certified_batch`) is judged, once; it becomes the result
-        when it is verified (and the run stops). The selection's batch comes first: solved
-        from all b directions at once, it is the more precise where it holds."""
+        they form is judged, once; it becomes the result when it is verified (and the run
+        stops). Their directions solved jointly come first (:meth:`_judge_jointly`), then the
+        samples as peeled (:mod:`spear.core.certified_batch`)."""
         s = self.setup
         input_side = isinstance(self.peeler, InputSidePeeler)
         if self.certified_judged or len(self.peeled) != s.b:
@@ -921,6 +927,8 @@ class _Attack:
         if self.verdict is not None and self.verdict.verified:
             return
         self.certified_judged = True
+        if self._judge_jointly():
+            return
         # each input on its own: its activation in the next layer's row space (what peeling
         # checked it by), since the batch's gradient residual weighs it by its share. Input-side
         # peeling counted each sample only with the model's certificate, which the verdict keeps
@@ -955,6 +963,44 @@ class _Attack:
             verdict.notes.append(CERTIFIED_BATCH_NOTE)
             self.best, self.verdict = selection, verdict
 
+    def _judge_jointly(self) -> bool:
+        """Judge the certified samples' directions as a selection of their own, polished and
+        assembled from all b at once (:meth:`_polish`, :meth:`_judge`, as any selection); True
+        when it is verified (it becomes the result).
+
+        Each sample as peeled carries the rounding of the residual problem it was found in,
+        more than the data's: a float32 trained MLP (Fashion-MNIST 6 x 500, first layer, 200
+        steps, b = 64, seed 1) certified all 64 samples one by one, the selection of the
+        search stopped at 63 of 64 consistent columns, and the batch as peeled held a strong
+        sample 2.8e-4 off, which the precision audit refused by its loss weight (3e-4 off 1/B,
+        against the data's 1e-6). The same 64 directions, each solved again on its clearly
+        zero rows and assembled jointly, put every sample within 2.5e-5, and the audit passes.
+        Where the joint batch does not verify (Q^-1 R spreads a faint column's rounding over
+        every sample), the samples as peeled are judged next. Nothing is pinned for being
+        peeled: the pins are read afresh from the polished columns' zero sets, and a column
+        keeps its peeled certificate only where it assembles into the very sample certified
+        (:meth:`_certified_as_assembled`)."""
+        s = self.setup
+        directions = self.peeled.directions / self.peeled.directions.norm(dim=1, keepdim=True)
+        Qbar = directions.T.contiguous()
+        masks, certain = s.column_zeros(directions)
+        sigma, valid, scales, consistent = score(
+            s.problem, Qbar[None], masks[None], certain[None], s.tol.z_rtol
+        )
+        if not bool(valid[0]):
+            return False
+        positions = pool_positions(directions, self.pool.directions)
+        selection = Selection(positions, Qbar, scales[0], float(sigma[0]), int(consistent[0]))
+        selection = self._explain_silent(selection, masks, certain)
+        selection, polished = self._polish(selection)
+        everyone = torch.ones(s.b, dtype=torch.bool, device=Qbar.device)
+        verdict = self._judge(selection, everyone, None, polished.solved)
+        if verdict is None or not verdict.verified:
+            return False
+        verdict.notes.append(JOINT_CERTIFIED_NOTE)
+        self.best, self.verdict = selection, verdict
+        return True
+
     def _polish(self, selection: Selection) -> tuple[Selection, Polished]:
         """A perfect selection with its directions polished on their clearly zero rows
         (:func:`~spear.core.polish.polish_directions`) where it stays perfect. A noisy
@@ -987,7 +1033,11 @@ class _Attack:
         return polished, result
 
     def _judge(
-        self, selection: Selection, certified: torch.Tensor, robust: torch.Tensor, polished: torch.Tensor
+        self,
+        selection: Selection,
+        certified: torch.Tensor,
+        robust: torch.Tensor | None,
+        polished: torch.Tensor,
     ) -> Verdict | None:
         """The verdict on a perfect selection; ``polished`` (b,): its columns solved again on
         their clearly zero rows, which the precision audit checks at the data's precision."""

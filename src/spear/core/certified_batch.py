@@ -26,7 +26,11 @@ spreads the rounding of the faintest columns over every sample. A float32 traine
 layer 2, b = 128, seed 0 of the realism matrix at m = 1000) certified all 128 samples one by one,
 each right to 1e-3 of the input scale, while ``Q^-1 R`` of the same 128 directions put two of
 them 0.5 off. Their certificates then did not hold in the assembled batch, and the verdict
-rejected a certified sample's direction, which no selection could then replace.
+rejected a certified sample's direction, which no selection could then replace. The attack
+still tries that joint assembly first, with every column polished on its clearly zero rows
+(``_Attack._judge_jointly`` in :mod:`spear.core.reconstruct`): where it holds, it is the more
+precise, as each sample here carries the rounding of the residual problem it was peeled from.
+This batch is judged when the joint one does not verify.
 """
 
 from __future__ import annotations

@@ -977,8 +977,9 @@ class _Attack:
         zero rows and assembled jointly, put every sample within 2.5e-5, and the audit passes.
         Where the joint batch does not verify (Q^-1 R spreads a faint column's rounding over
         every sample), the samples as peeled are judged next. Nothing is pinned for being
-        peeled: the pins are read afresh from the polished columns' zero sets, and a column
-        keeps its peeled certificate only where it assembles into the very sample certified
+        peeled: a column is pinned as a pool candidate is (its zero rows' kernel one-dimensional
+        and robust, and its clearly zero rows still pinning it where polished), and it keeps its
+        peeled certificate only where it assembles into the very sample certified
         (:meth:`_certified_as_assembled`)."""
         s = self.setup
         directions = self.peeled.directions / self.peeled.directions.norm(dim=1, keepdim=True)
@@ -993,8 +994,14 @@ class _Attack:
         selection = Selection(positions, Qbar, scales[0], float(sigma[0]), int(consistent[0]))
         selection = self._explain_silent(selection, masks, certain)
         selection, polished = self._polish(selection)
+        # pinned as a pool candidate is: its zero rows' kernel one-dimensional and robust, and
+        # (polished) its clearly zero rows still pinning it
+        L = s.problem.sparse_factor
+        zero = zero_mask((L @ selection.Qbar.to(L)).T, s.tol.zero_rtol)
+        _, one_dim, robust = kernel_of_rows(L, zero, s.deadline)
+        pinned = one_dim & robust & polished.keeps_pin.to(one_dim.device)
         everyone = torch.ones(s.b, dtype=torch.bool, device=Qbar.device)
-        verdict = self._judge(selection, everyone, None, polished.solved)
+        verdict = self._judge(selection, everyone, pinned, polished.solved)
         if verdict is None or not verdict.verified:
             return False
         verdict.notes.append(JOINT_CERTIFIED_NOTE)

@@ -6,7 +6,7 @@ import torch
 
 import spear
 import spear.core.reconstruct as reconstruct
-from spear.core.certified_batch import CERTIFIED_BATCH_NOTE, certified_batch
+from spear.core.certified_batch import CERTIFIED_BATCH_NOTE, JOINT_CERTIFIED_NOTE, certified_batch
 from spear.core.peeling import PeeledSamples
 from spear.core.reconstruct import AttackOptions, AttackSetup, LayerTensors
 from spear.core.verdict import ModelGate, judge
@@ -54,6 +54,20 @@ def test_a_batch_certified_one_by_one_is_verified_where_its_assembly_is_not(monk
     monkeypatch.setattr(reconstruct._Attack, "_judge_certified", lambda self: None)
     again = spear.attack_layer(view.model, "0", view.gradients, seed=0, max_proposals=20_000)
     assert not again.verified
+
+
+def test_the_certified_directions_are_judged_jointly_first(monkeypatch):
+    # with the search's own selections switched off, the batch is judged only once peeling has
+    # certified all 24 samples: their directions, solved again jointly, verify before the
+    # samples as peeled are judged (the code before had only the latter)
+    view, truth = _client()
+    monkeypatch.setattr(reconstruct._Attack, "_select", lambda self, max_sweeps=None: None)
+    rec = spear.attack_layer(view.model, "0", view.gradients, seed=0, max_proposals=20_000)
+    assert rec.verified and rec.verified_by == "model"
+    assert JOINT_CERTIFIED_NOTE in rec.notes and CERTIFIED_BATCH_NOTE not in rec.notes
+    est, ref = match_samples(rec.inputs, truth.inputs)
+    assert float((rec.inputs[est] - truth.inputs[ref]).abs().max()) < 1e-9 * float(truth.inputs.abs().max())
+    assert torch.equal(rec.labels[est], truth.labels[ref])
 
 
 def test_a_verified_selection_is_not_replaced_by_the_certified_batch():

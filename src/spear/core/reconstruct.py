@@ -994,6 +994,8 @@ class _Attack:
         selection = Selection(positions, Qbar, scales[0], float(sigma[0]), int(consistent[0]))
         selection = self._explain_silent(selection, masks, certain)
         selection, polished = self._polish(selection)
+        if not selection.perfect:
+            return False
         # pinned as a pool candidate is: its zero rows' kernel one-dimensional and robust, and
         # (polished) its clearly zero rows still pinning it
         L = s.problem.sparse_factor
@@ -1040,11 +1042,7 @@ class _Attack:
         return polished, result
 
     def _judge(
-        self,
-        selection: Selection,
-        certified: torch.Tensor,
-        robust: torch.Tensor | None,
-        polished: torch.Tensor,
+        self, selection: Selection, certified: torch.Tensor, robust: torch.Tensor, polished: torch.Tensor
     ) -> Verdict | None:
         """The verdict on a perfect selection; ``polished`` (b,): its columns solved again on
         their clearly zero rows, which the precision audit checks at the data's precision."""

@@ -181,8 +181,7 @@ def test_float32_trained_hidden_layer_is_not_flooded_by_mixtures_of_sparse_colum
 
     monkeypatch.setattr(NextLayerProposer, "propose", counted)
     data = load_fashion_mnist()
-    model = fully_connected(data.features, 500, 6, seed=0, dtype=torch.float32)
-    pretrain(model, data, 200, seed=0)
+    model = trained_mlp(data, 0, torch.float32)
     view, truth = simulate_fedsgd(model, data, 64, seed=0)
     rec = spear.attack_layer(view.model, "2", view.gradients, seed=0, max_proposals=700_000)
     assert rec.verified, rec.message
@@ -202,8 +201,7 @@ def test_float32_certified_samples_are_solved_again_jointly():
     from tests.conftest import load_fashion_mnist
 
     data = load_fashion_mnist()
-    model = fully_connected(data.features, 500, 6, seed=1, dtype=torch.float32)
-    pretrain(model, data, 200, seed=1)
+    model = trained_mlp(data, 1, torch.float32)
     view, truth = simulate_fedsgd(model, data, 64, seed=1)
     rec = spear.attack_layer(view.model, "0", view.gradients, seed=1, max_proposals=80_000)
     assert rec.verified, rec.message

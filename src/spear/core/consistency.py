@@ -39,6 +39,7 @@ from dataclasses import dataclass
 
 import torch
 
+from spear.core.deadline import NEVER, Deadline
 from spear.core.filtering import DEFAULT_ZERO_RTOL, KERNEL_GAP_RTOL, kernel_of_rows
 from spear.core.verify import DEFAULT_VERIFY_RTOL
 
@@ -277,6 +278,13 @@ def _expected_coincidences(
     return math.exp(min(log_choices + log_rows, 700.0))
 
 
+def zero_set_pins(L: torch.Tensor, zero: torch.Tensor, deadline: Deadline = NEVER) -> torch.Tensor:
+    """(k,) whether each zero set (k x rows) of the factor ``L`` pins its direction: the kernel of
+    ``L`` on it is one-dimensional and robust (:func:`spear.core.filtering.kernel_of_rows`)."""
+    _, one_dim, robust = kernel_of_rows(L, zero, deadline)
+    return one_dim & robust
+
+
 def ambiguous_groups(
     L: torch.Tensor,
     directions: torch.Tensor,
@@ -300,8 +308,7 @@ def ambiguous_groups(
     """
     b = directions.shape[0]
     if pinned is None:
-        _, one_dim, robust = kernel_of_rows(L, zero)
-        pinned = one_dim & robust
+        pinned = zero_set_pins(L, zero)
     sure = torch.zeros(b, dtype=torch.bool, device=L.device) if certified is None else certified.to(L.device)
     groups: list[set[int]] = []
     reasons: list[str] = []

@@ -35,6 +35,7 @@ from spear.core.consistency import (
     noisy_tolerances,
     resolvable,
     rounding_map,
+    zero_set_pins,
 )
 from spear.core.deadline import Deadline
 from spear.core.diagnosis import (
@@ -298,6 +299,20 @@ class AttackSetup:
         values = q @ self.problem.sparse_factor.T
         masks = zero_mask(values, self.tol.zero_rtol, rounding_floor(q, self.rounding, values.shape[1]))
         return masks, zero_mask(values, self.tol.zero_floor)
+
+    def scored(
+        self, indices: tuple[int, ...], Qbar: torch.Tensor
+    ) -> tuple[Selection | None, torch.Tensor, torch.Tensor]:
+        """These directions (b x b, columns) scored as a selection (:func:`~spear.core.greedy.
+        score`; None where their scales are not valid), with their columns' zero and certainly
+        zero sets (:meth:`column_zeros`)."""
+        masks, certain = self.column_zeros(Qbar.T)
+        sigma, valid, scales, consistent = score(
+            self.problem, Qbar[None], masks[None], certain[None], self.tol.z_rtol
+        )
+        if not bool(valid[0]):
+            return None, masks, certain
+        return Selection(indices, Qbar, scales[0], float(sigma[0]), int(consistent[0])), masks, certain
 
     def sample_rtol(self, directions: torch.Tensor) -> torch.Tensor:
         """(k,) the misfit tolerance of the samples of these directions (k x b):
@@ -983,15 +998,10 @@ class _Attack:
         (:meth:`_certified_as_assembled`)."""
         s = self.setup
         directions = self.peeled.directions / self.peeled.directions.norm(dim=1, keepdim=True)
-        Qbar = directions.T.contiguous()
-        masks, certain = s.column_zeros(directions)
-        sigma, valid, scales, consistent = score(
-            s.problem, Qbar[None], masks[None], certain[None], s.tol.z_rtol
-        )
-        if not bool(valid[0]):
-            return False
         positions = pool_positions(directions, self.pool.directions)
-        selection = Selection(positions, Qbar, scales[0], float(sigma[0]), int(consistent[0]))
+        selection, masks, certain = s.scored(positions, directions.T.contiguous())
+        if selection is None:
+            return False
         selection = self._explain_silent(selection, masks, certain)
         selection, polished = self._polish(selection)
         if not selection.perfect:
@@ -1000,9 +1010,9 @@ class _Attack:
         # (polished) its clearly zero rows still pinning it
         L = s.problem.sparse_factor
         zero = zero_mask((L @ selection.Qbar.to(L)).T, s.tol.zero_rtol)
-        _, one_dim, robust = kernel_of_rows(L, zero, s.deadline)
-        pinned = one_dim & robust & polished.keeps_pin.to(one_dim.device)
-        everyone = torch.ones(s.b, dtype=torch.bool, device=Qbar.device)
+        pinned = zero_set_pins(L, zero, s.deadline)
+        pinned &= polished.keeps_pin.to(pinned.device)
+        everyone = torch.ones(s.b, dtype=torch.bool, device=pinned.device)
         verdict = self._judge(selection, everyone, pinned, polished.solved)
         if verdict is None or not verdict.verified:
             return False
@@ -1028,13 +1038,9 @@ class _Attack:
         result = polish_directions(L, selection.Qbar, zero_rtol, everywhere, s.deadline)
         if not bool(result.solved.any()):
             return selection, none
-        masks, certain = s.column_zeros(result.Qbar.T)
-        sigma, valid, c, consistent = score(
-            s.problem, result.Qbar[None], masks[None], certain[None], s.tol.z_rtol
-        )
-        if not bool(valid[0]):
+        polished, masks, certain = s.scored(selection.indices, result.Qbar)
+        if polished is None:
             return selection, none
-        polished = Selection(selection.indices, result.Qbar, c[0], float(sigma[0]), int(consistent[0]))
         if not polished.perfect and selection.explained:
             polished = self._explain_silent(polished, masks, certain, polished=True)  # audited as any
         if not polished.perfect:

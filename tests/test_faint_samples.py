@@ -214,10 +214,11 @@ def test_zero_sets_are_trusted_column_by_column_where_their_rounding_allows():
     norms = factor.norm(dim=0)
     peaks = factor.abs().amax(dim=0)
 
-    def trusted(dtype, precision):  # rounding map giving each column that relative precision
+    def trusted(dtype, precision, measured=None):  # rounding map giving each column that precision
         setup = SimpleNamespace(
             resolvable=False,
             rounding=torch.diag(precision * norms),
+            measured_rounding=torch.diag((precision if measured is None else measured) * norms),
             problem=SimpleNamespace(sparse_factor=factor),
             tol=Tolerances.for_dtype(dtype),
         )
@@ -231,5 +232,30 @@ def test_zero_sets_are_trusted_column_by_column_where_their_rounding_allows():
     floors = 10 * precision * norms / rows**0.5
     assert bool(floors[2] > 1e-4 * peaks[2]) and bool(floors[1] < 1e-4 * peaks[1])
     assert trusted(torch.float32, precision).tolist() == [True, True, False, False]
+    # where the gradient's spectrum measures its rounding far below the bound (100 times), the
+    # floor of the column known to 5e-4 lies within the band; the last (2e-3) still fails the
+    # batch's test, which stays at the bound
+    assert trusted(torch.float32, precision, precision / 100).tolist() == [True, True, True, False]
     resolvable = SimpleNamespace(resolvable=True)
     assert bool(reconstruct_module.AttackSetup.trusted_columns(resolvable, directions).all())
+
+
+def test_the_gradients_rounding_is_measured_by_its_spectrum():
+    """A rank-b gradient with independent entry errors: the first singular value beyond the
+    batch, scaled to the whole matrix, estimates the errors' norm, far below ``eps s_max``
+    (the bound); never below float64's own rounding; none without a singular value beyond b."""
+    from spear.core.consistency import measured_noise
+
+    torch.manual_seed(0)
+    m, n, b = 300, 200, 20
+    clean = torch.randn(m, b, dtype=torch.float64) @ torch.randn(b, n, dtype=torch.float64)
+    error = 1e-7 * clean.abs().mean() * torch.randn(m, n, dtype=torch.float64)
+    S = torch.linalg.svdvals(clean + error)
+    noise = measured_noise(S, b, (m, n))
+    truth = float(torch.linalg.matrix_norm(error, ord=2))
+    assert 0.8 * truth <= noise <= 1.5 * truth
+    assert noise < 0.5 * 1e-7 * float(S[0])  # the bound at that precision (3 times above here)
+    exact = torch.linalg.svdvals(clean)
+    assert measured_noise(exact, b, (m, n)) >= torch.finfo(torch.float64).eps * float(exact[0])
+    assert measured_noise(S[:b], b, (m, n)) is None
+    assert measured_noise(S, n, (m, n)) is None

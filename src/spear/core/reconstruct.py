@@ -32,6 +32,7 @@ from spear.core.consistency import (
     RESOLVABLE_SLACK,
     Tolerances,
     contradictions,
+    measured_noise,
     noisy_tolerances,
     resolvable,
     rounding_map,
@@ -269,17 +270,35 @@ class AttackSetup:
         factor = self.problem.sparse_factor
         return rounding_map(S, self.b, eps).to(factor)
 
+    @functools.cached_property
+    def measured_rounding(self) -> torch.Tensor | None:
+        """:attr:`rounding` with the gradient's rounding as its spectrum measures it
+        (:func:`~spear.core.consistency.measured_noise`), where that is smaller: the per-entry
+        floor of a column's zero set, for :meth:`trusted_columns`. None with :attr:`rounding`."""
+        if self.rounding is None:
+            return None
+        factor = self.problem.sparse_factor
+        S = self.split.singular_values
+        noise = measured_noise(S, self.b, (self.problem.L.shape[0], self.problem.R.shape[1]))
+        if noise is None:
+            return self.rounding
+        eps = torch.finfo(self.source_dtype).eps
+        bound = max(float(S[self.b]), eps * float(S[0]))
+        return rounding_map(S, self.b, eps, min(noise, bound)).to(factor)
+
     def trusted_columns(self, directions: torch.Tensor) -> torch.Tensor:
         """(k,) whether the zero sets of the columns of these directions (k x b) can be trusted:
         all where the batch is resolvable; none of a gradient noisier than its rounding. Where
         the batch is not resolvable for its weakest samples' rounding alone (a rounding map),
         the columns that pass, on their own, the test the whole batch failed (their rounding,
         :func:`column_precision`, within ``RESOLVABLE_SLACK * zero_rtol``), and whose zero set
-        as read covers their rounding: the rounding floor (:func:`rounding_floor`) within the
-        zero band, or within ``FLOOR_CAP`` where :meth:`column_zeros` reads zeros up to the
-        floor (float64). In float32 the floor never widens the band, and a column trusted by
-        its precision alone (up to 1e-3) could have true zeros read as nonzero and small active
-        entries read as zero (a review's concern). The faint columns are never trusted."""
+        as read covers their rounding: the rounding floor (:func:`rounding_floor`, at the
+        rounding the gradient's spectrum measures, :attr:`measured_rounding`) within the zero
+        band, or within ``FLOOR_CAP`` where :meth:`column_zeros` reads zeros up to the floor
+        (float64). In float32 the floor never widens the band, and a column trusted by its
+        precision alone (up to 1e-3) could have true zeros read as nonzero and small active
+        entries read as zero (a review's concern); the floor rules that out. The faint columns
+        are never trusted."""
         k = directions.shape[0]
         if self.resolvable:
             return torch.ones(k, dtype=torch.bool, device=directions.device)
@@ -288,7 +307,7 @@ class AttackSetup:
         factor = self.problem.sparse_factor
         precise = column_precision(directions, factor, self.rounding) <= RESOLVABLE_SLACK * self.tol.zero_rtol
         values = directions @ factor.T
-        floor = rounding_floor(directions, self.rounding, values.shape[1])
+        floor = rounding_floor(directions, self.measured_rounding, values.shape[1])
         assert floor is not None
         band = max(self.tol.zero_rtol, FLOOR_CAP) * values.abs().amax(dim=1)
         return precise & (floor <= band)

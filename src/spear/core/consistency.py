@@ -116,8 +116,14 @@ def resolvable(singular_values: torch.Tensor, b: int, zero_rtol: float, eps: flo
     S = singular_values
     if b < 1 or float(S[0]) == 0.0:
         return False
-    noise = max(float(S[b]) if b < S.numel() else 0.0, eps * float(S[0]))
-    return float(S[b - 1]) * RESOLVABLE_SLACK * zero_rtol >= noise
+    return float(S[b - 1]) * RESOLVABLE_SLACK * zero_rtol >= bound_noise(S, b, eps)
+
+
+def bound_noise(singular_values: torch.Tensor, b: int, eps: float) -> float:
+    """The bound on a gradient's rounding: its first singular value beyond the batch, or
+    ``eps s_max`` where that is larger."""
+    S = singular_values
+    return max(float(S[b]) if b < S.numel() else 0.0, eps * float(S[0]))
 
 
 def rounding_map(
@@ -144,7 +150,7 @@ def rounding_map(
     rounding as measured, for the per-entry floor of a column's zero set)."""
     S = singular_values.to(torch.float64)
     if noise is None:
-        noise = max(float(S[b]) if b < S.numel() else 0.0, eps * float(S[0]))
+        noise = bound_noise(S, b, eps)
     return torch.diag(noise / S[:b].clamp_min(torch.finfo(torch.float64).tiny).sqrt())
 
 

@@ -31,6 +31,7 @@ from spear.core.certified_batch import (
 from spear.core.consistency import (
     RESOLVABLE_SLACK,
     Tolerances,
+    bound_noise,
     contradictions,
     measured_noise,
     noisy_tolerances,
@@ -283,8 +284,7 @@ class AttackSetup:
         if noise is None:
             return self.rounding
         eps = torch.finfo(self.source_dtype).eps
-        bound = max(float(S[self.b]), eps * float(S[0]))
-        return rounding_map(S, self.b, eps, min(noise, bound)).to(factor)
+        return rounding_map(S, self.b, eps, min(noise, bound_noise(S, self.b, eps))).to(factor)
 
     def trusted_columns(self, directions: torch.Tensor) -> torch.Tensor:
         """(k,) whether the zero sets of the columns of these directions (k x b) can be trusted:
@@ -296,9 +296,9 @@ class AttackSetup:
         rounding the gradient's spectrum measures, :attr:`measured_rounding`) within the zero
         band, or within ``FLOOR_CAP`` where :meth:`column_zeros` reads zeros up to the floor
         (float64). In float32 the floor never widens the band, and a column trusted by its
-        precision alone (up to 1e-3) could have true zeros read as nonzero and small active
-        entries read as zero (a review's concern); the floor rules that out. The faint columns
-        are never trusted."""
+        precision alone (up to 1e-3) could have true zeros read as nonzero (a review's concern);
+        the floor rules that out (active entries below the band read as zero in any column).
+        The faint columns are never trusted."""
         k = directions.shape[0]
         if self.resolvable:
             return torch.ones(k, dtype=torch.bool, device=directions.device)

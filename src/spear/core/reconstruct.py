@@ -33,6 +33,7 @@ from spear.core.consistency import (
     Tolerances,
     bound_noise,
     contradictions,
+    fits_the_layer_above,
     measured_noise,
     noisy_tolerances,
     resolvable,
@@ -57,6 +58,7 @@ from spear.core.filtering import (
     CandidatePool,
     SnapResult,
     kernel_of_rows,
+    rounding_error,
     rounding_floor,
     sparsest_first,
     zero_mask,
@@ -597,6 +599,7 @@ class _Attack:
         return batch
 
     def _absorb(self, snapped: SnapResult) -> None:
+        snapped = self._samples_only(snapped)
         fresh = self._peel(snapped)
         snapped = self.search.settled(snapped)
         if fresh is not None and len(fresh):
@@ -618,6 +621,24 @@ class _Attack:
             self.swaps_deferred = peeling
             self._select(0 if peeling else None)
         self._judge_certified()
+
+    def _samples_only(self, snapped: SnapResult) -> SnapResult:
+        """The snapped directions whose columns can be samples' given the known layer above
+        (:func:`~spear.core.consistency.fits_the_layer_above`); the others' zero sets are
+        rejected for good. Without that layer (or with input sparsity, or a noisy gradient)
+        all of them."""
+        setup, problem = self.setup, self.setup.problem
+        if problem.next_weight is None or problem.mode != "output" or setup.split.noisy:
+            return snapped
+        q = snapped.directions
+        columns = q.to(problem.sparse_factor.dtype) @ problem.sparse_factor.T
+        errors = rounding_error(q, setup.rounding)
+        tol = setup.tol.zero_rtol
+        fits = fits_the_layer_above(columns, snapped.zero_masks, problem.next_weight, tol, errors)
+        if bool(fits.all()):
+            return snapped
+        self.pool.rejected_masks = torch.cat([self.pool.rejected_masks, snapped.zero_masks[~fits]])
+        return snapped.select(fits)
 
     def _run_deferred_swaps(self) -> None:
         """The swaps the last selection skipped (a step that certified samples), when the run

@@ -681,6 +681,27 @@ def test_a_sample_no_neuron_sees_is_counted_as_missing():
     assert exact(rec.inputs, torch.cat([x[:2], x[3:]]))
 
 
+def test_samples_below_the_others_rounding_keep_the_batch_unverified():
+    """float32: four samples' gradient plus three more at 1e-9 of theirs (well-classified
+    samples beside misclassified ones send such gradients), below float32's rounding: the
+    gradient's rank stays 4 and the four reproduce it to 3e-8, each certified by the model
+    with one sample's weight (1/4 here). Only the neurons none of the four activates show the
+    others: their rows of dL/dW are nonzero, which ReLU's exact backward pass rules out for a
+    batch of the four alone. Verified before that check; now not, with the four certified."""
+    x, y = gaussian(7, 300, seed=11)
+    x = x.float()
+    model = mlp(300, 200, seed=11, dtype=torch.float32)
+    grads = make_batch(x[:4], y[:4], model).grads
+    for j in range(4, 7):
+        faint = make_batch(x[j : j + 1], y[j : j + 1], model).grads
+        grads = {name: grads[name] + 1e-9 * faint[name] for name in grads}
+    rec = spear.attack_layer(model, "0", grads)
+    assert rec.batch_size == 4 and rec.sigma == 1.0 and rec.residual < 1e-6
+    assert not rec.verified and "inactive for every sample" in rec.message
+    assert exact(rec.certified_inputs.double(), x[:4].double(), 1e-4)
+    assert_promise(rec, x[:4].double())
+
+
 # --- labels, first and later layers -------------------------------------------------------------
 
 

@@ -125,7 +125,8 @@ def certified_batch(
     grad_outputs = setup.expand(problem.L @ peeled.duals.T)
     layer = setup.layer
     observed = (layer.weight, layer.bias, layer.grad_weight, layer.grad_bias)
-    check = verify(*observed, inputs, grad_outputs, problem.mode, tol.verify_rtol, tol.z_rtol)
+    exact = not setup.split.noisy
+    check = verify(*observed, inputs, grad_outputs, problem.mode, tol.verify_rtol, tol.z_rtol, exact)
     masks, certain = setup.column_zeros(directions)
     if problem.mode == "output":
         # u_j = q_j / (q_j . r_j): the scale of the unit direction is u_j . q_j

@@ -417,6 +417,7 @@ class AttackSetup:
             self.options.sparsity,
             self.tol.verify_rtol,
             self.tol.z_rtol,
+            exact=not self.split.noisy,
         )
         return (inputs, grad_outputs), check
 
@@ -1496,6 +1497,13 @@ def finish(
         message = verdict_message(verdict, b)
         if not verdict.verified and gate.certifier is None and verdict.determinacy.groups:
             message += "; attack_layer with the model can certify samples one by one"
+    elif verdict.check.uncovered:
+        message = (
+            f"unverified: sigma={selection.sigma:.4f} and residual {verdict.check.residual:.1e}, but "
+            f"{verdict.check.uncovered} neuron(s) with a nonzero row of dL/dW are inactive for every "
+            f"sample of this batch of {b}: the client's batch holds more samples, whose gradients "
+            f"lie below the others' rounding ({reason} after {drawn:,} proposals){peeled_note}"
+        )
     else:
         message = (
             f"unverified: sigma={selection.sigma:.4f} but the recomputed gradients differ (residual "

@@ -3,6 +3,7 @@ is a ReLU-masked vector of range(W'^T), which pins a sample's pattern where ~50%
 too few for Lemma 5.2's sampling."""
 
 import dataclasses
+import math
 
 import pytest
 import torch
@@ -421,6 +422,7 @@ def test_candidates_that_no_pattern_of_the_layer_above_explains_are_not_samples(
     either, but it is one column on some rows and minus the other on others: refused, and so
     is a generic mixture. Its rounding error lets a faint column through."""
     from spear.core.consistency import fits_the_layer_above
+    from spear.core.filtering import ROUNDING_ENTRY
 
     B, masks, columns, _ = _head_columns(m=80, k=4, b=6, seed=3)
     shared = B @ torch.linalg.lstsq(B[masks[0]], columns[0, masks[0], None]).solution[:, 0]
@@ -432,12 +434,22 @@ def test_candidates_that_no_pattern_of_the_layer_above_explains_are_not_samples(
     candidates = torch.cat([columns, rounded, difference[None], mixture[None]])
     zero = candidates.abs() <= 1e-4 * candidates.abs().amax(dim=1, keepdim=True)
     assert int(zero[-2].sum()) > int(zero[:2].sum(dim=1).max())  # the difference is sparser
-    fits = fits_the_layer_above(candidates, zero, B.T, 1e-4)
-    assert fits.tolist() == [True] * 12 + [False, False]
-    # at float64's zero tolerance the rounded columns need their rounding error to pass
-    assert not bool(fits_the_layer_above(rounded, zero[6:12], B.T, 1e-9).any())
+    fits, telling = fits_the_layer_above(candidates, B.T, 1e-4)
+    assert fits.tolist() == [True] * 12 + [False, False] and bool(telling.all())
+    # at float64's zero tolerance the rounded columns need their rounding floor and error
+    assert not bool(fits_the_layer_above(rounded, B.T, 1e-9)[0].any())
     errors = (rounded - columns).norm(dim=1)
-    assert bool(fits_the_layer_above(rounded, zero[6:12], B.T, 1e-9, errors).all())
+    floors = ROUNDING_ENTRY * errors / math.sqrt(columns.shape[1])  # as filtering.rounding_floor
+    assert bool(fits_the_layer_above(rounded, B.T, 1e-9, floors, errors)[0].all())
+    # a true zero read above the band (here 5 times it) is left out of the fit, not fitted
+    lifted = columns.clone()
+    row = int((~masks[0]).nonzero()[0])
+    lifted[0, row] = 5e-4 * lifted[0].abs().max()
+    assert bool(fits_the_layer_above(lifted, B.T, 1e-4)[0][0])
+    # a column with too few nonzero rows fits any delta: it passes, and tells nothing
+    few = columns[:1] * (torch.arange(80) < 6)
+    fits, telling = fits_the_layer_above(few, B.T, 1e-4)
+    assert bool(fits[0]) and not bool(telling[0])
 
 
 def test_a_pattern_pins_its_column_and_nothing_else_passes():

@@ -182,9 +182,13 @@ def test_aggregate_weights_are_compared_at_each_samples_own_precision():
 # --- FedAvg through Flower -----------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("epochs,local_batch", [(3, None), (1, 4)])
-def test_fedavg_update_is_recovered_and_certified_by_replay(mnist, epochs, local_batch):
-    model = fully_connected(mnist.features, 300, 4, mnist.classes, seed=7)
+@pytest.mark.parametrize("epochs,local_batch,depth", [(3, None, 4), (1, 4, 4), (3, None, 2), (1, 4, 2)])
+def test_fedavg_update_is_recovered_and_certified_by_replay(mnist, epochs, local_batch, depth):
+    """Depth 2 puts a 10-wide head above the attacked layer, whose form the core checks
+    candidates against for one-step gradients only: a FedAvg update's columns sum steps whose
+    head moved, and (1 epoch in local batches of 4) the first step's samples fit the head
+    alone; checked anyway, the other 8 samples were rejected (the review of that check)."""
+    model = fully_connected(mnist.features, 300, depth, mnist.classes, seed=7)
     protocol = FedAvg(epochs=epochs, batch_size=local_batch, lr=0.1)
     view, truth = simulate_round(model, mnist, 12, protocol, seed=7)
     rec = attack(view, protocol)

@@ -182,44 +182,79 @@ def measured_noise(singular_values: torch.Tensor, b: int, shape: tuple[int, int]
 #: many times its tolerance: the zero tolerance of its norm plus its rounding error (true
 #: columns: 1e-7 of their norm in float32; the mixtures it refuses: 0.6 and more)
 LAYER_ABOVE_SLACK = 10.0
+#: the fit takes the rows at least this many times above a column's zero threshold: a true
+#: zero read just above the band (float32 trained heads: 1.5e-4 of the largest against 1e-4)
+#: would otherwise ask ``W'^T delta`` to vanish there, and put a true column 2,000 times its
+#: tolerance off (the review of this check)
+LAYER_ABOVE_SUPPORT = 10.0
+#: the check applies below next layers at most this wide, with at least ``2 k + 8`` rows: a
+#: classifier head or a narrow layer (the cost is ``k^2`` per row and candidate; the
+#: mixtures it refuses come from same-class samples whose ``delta`` agree, a narrow head's)
+LAYER_ABOVE_MAX_WIDTH = 32
+#: candidates per batched solve
+LAYER_ABOVE_CHUNK = 4096
+
+
+def layer_above_applies(rows: int, width: int) -> bool:
+    """Whether :func:`fits_the_layer_above` can tell samples from mixtures below a next layer
+    ``width`` wide, on ``rows`` live rows."""
+    return width <= LAYER_ABOVE_MAX_WIDTH and rows >= 2 * width + 8
 
 
 def fits_the_layer_above(
     columns: torch.Tensor,
-    zero: torch.Tensor,
     next_weight: torch.Tensor,
     zero_rtol: float,
+    floors: torch.Tensor | None = None,
     errors: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """(p,) whether columns (p, m) of dL/dZ can be samples' columns, given the linear layer
-    ``W'`` (k x m) that the attacked layer's ReLU feeds.
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Whether columns (p, m) of dL/dZ can be samples' columns, given the linear layer ``W'``
+    (k x m) that the attacked layer's ReLU feeds; and whether each fit *tells* (p,): it rests
+    on more than ``k + 8`` rows, so that a column that is not of the form would not fit.
 
     The chain rule makes every sample's column ``D_j W'^T delta_j``: its ReLU pattern (0/1)
-    applied to a vector of the k-dimensional range of ``W'^T``. So on its nonzero rows (those
-    not in ``zero`` (p, m), the attack's zero sets, which take a faint column's rounding into
-    account; small true entries counted as zero are left out, which changes nothing for a
-    sample) a sample's column is one vector ``W'^T delta``, up to the gradient's rounding
-    (``zero_rtol`` of its norm, plus ``errors``: the norm of each column's rounding error,
-    :func:`~spear.core.filtering.rounding_error`, or None). A mixture of samples is not where
-    their ``delta`` differ. Where two samples' ``delta`` agree to the zero tolerance (same-class
+    applied to a vector of the k-dimensional range of ``W'^T``. So on its clearly nonzero rows
+    (``LAYER_ABOVE_SUPPORT`` times above its zero threshold: ``zero_rtol`` of its largest
+    entry, or its rounding floor ``floors`` (p,) where higher; rows in between are left out,
+    true zeros read above the band and small true entries alike) a sample's column is one
+    vector ``W'^T delta``, up to the gradient's rounding (``zero_rtol`` of its norm there, plus
+    ``errors`` (p,): the norm of its rounding error,
+    :func:`~spear.core.filtering.rounding_error`). A mixture of samples is not where their
+    ``delta`` differ. Where two samples' ``delta`` agree to the zero tolerance (same-class
     samples of a float32 trained head), their difference cancels on the rows both activate and
     passes the sparsity filter with more zeros than either sample has, robust (trained digits
-    head, b = 11: 50 such candidates with 35 to 56 zeros, against 5 to 24 for the samples);
-    on its nonzero rows it is one sample's column on some and minus the other's on others, and
-    its residual here is 0.6 to 0.7 of its norm. A column with at most k nonzero rows fits
-    any ``delta``: it passes."""
-    if columns.shape[0] == 0:
-        return torch.zeros(0, dtype=torch.bool, device=columns.device)
+    head, b = 11: 50 such candidates with 35 to 56 zeros, against 5 to 24 for the samples); on
+    its nonzero rows it is one sample's column on some and minus the other's on others, and its
+    residual here is 0.6 to 0.7 of its norm.
+
+    The form holds only where ``W'`` alone takes the layer's output: not for a FedAvg update
+    (``W'`` moves between the local steps) nor where the output also feeds another layer; the
+    attack applies the check once a telling fit shows it holds (``_Attack._samples_only``)."""
     B = next_weight.T.to(columns.dtype)
-    support = ~zero
-    masked = support[:, :, None] * B  # (p, m, k): W'^T on each column's nonzero rows
-    y = torch.where(support, columns, 0.0)
-    delta = torch.linalg.lstsq(masked, y[:, :, None]).solution
-    residual = (y[:, :, None] - masked @ delta).norm(dim=(1, 2))
-    tolerance = zero_rtol * y.norm(dim=1)
-    if errors is not None:
-        tolerance = tolerance + errors.to(tolerance)
-    return residual <= LAYER_ABOVE_SLACK * tolerance
+    m, k = B.shape
+    fits = torch.zeros(columns.shape[0], dtype=torch.bool, device=columns.device)
+    telling = torch.zeros_like(fits)
+    BB = (B[:, :, None] * B[:, None, :]).reshape(m, k * k)
+    eye = torch.eye(k, dtype=B.dtype, device=B.device)
+    for part in torch.arange(columns.shape[0], device=columns.device).split(LAYER_ABOVE_CHUNK):
+        y = columns[part]
+        size = y.abs()
+        threshold = zero_rtol * size.amax(dim=1)
+        if floors is not None:
+            threshold = torch.maximum(threshold, floors[part].to(threshold))
+        support = size > LAYER_ABOVE_SUPPORT * threshold[:, None]
+        w = support.to(B.dtype)
+        gram = (w @ BB).reshape(-1, k, k)  # (D B)^T (D B)
+        floor = 1e-14 * gram.diagonal(dim1=1, dim2=2).amax(1)[:, None, None] + 1e-300
+        delta = torch.linalg.solve(gram + floor * eye, ((w * y) @ B)[:, :, None])[:, :, 0]
+        on_support = w * y
+        residual = (on_support - w * (delta @ B.T)).norm(dim=1)
+        tolerance = zero_rtol * on_support.norm(dim=1)
+        if errors is not None:
+            tolerance = tolerance + errors[part].to(tolerance)
+        fits[part] = residual <= LAYER_ABOVE_SLACK * tolerance
+        telling[part] = support.sum(dim=1) > k + 8
+    return fits, telling
 
 
 def pattern_matches(

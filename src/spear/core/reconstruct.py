@@ -34,6 +34,7 @@ from spear.core.consistency import (
     bound_noise,
     contradictions,
     fits_the_layer_above,
+    layer_above_applies,
     measured_noise,
     noisy_tolerances,
     resolvable,
@@ -573,6 +574,9 @@ class _Attack:
         self.swept = SweptSelection()  # where the last selection's swaps ended
         self.silent_tried: set[tuple[int, int, bool]] = set()  # see _explain_silent
         self.certified_judged = False  # the batch of b samples certified one by one was judged
+        #: a candidate's fit showed that the known layer above alone takes this layer's output
+        self.layer_above_holds = False
+        self.pool_purged = False  # candidates left the pool since the last selection
         #: the next layer's row space (peeling's P), which checks certified inputs one by one;
         #: None without output-side peeling (the batch of certified samples is then not judged)
         self.activation_basis = self.peeler.P if isinstance(self.peeler, SamplePeeler) else None
@@ -609,7 +613,8 @@ class _Attack:
             return  # the run ends here: pooling and selecting would only overrun the budget
         known_before = int(self.pool.trusted_mask.sum())
         added = self.pool.add(snapped)
-        changed = bool(added) or int(self.pool.trusted_mask.sum()) != known_before
+        changed = bool(added) or int(self.pool.trusted_mask.sum()) != known_before or self.pool_purged
+        self.pool_purged = False
         dropping = self.sparse_drop == self.calls  # this step dropped a ReLU-sparse direction
         if not self.search.update(
             self.pool, self.peeled, changed, 0 if fresh is None else len(fresh), dropping
@@ -626,20 +631,48 @@ class _Attack:
     def _samples_only(self, snapped: SnapResult) -> SnapResult:
         """The snapped directions whose columns can be samples' given the known layer above
         (:func:`~spear.core.consistency.fits_the_layer_above`); the others' zero sets are
-        rejected for good. Without that layer (or with input sparsity, or a noisy gradient)
-        all of them."""
-        setup, problem = self.setup, self.setup.problem
-        if problem.next_weight is None or problem.mode != "output" or setup.split.noisy:
+        rejected for good. The form holds where the update is one gradient of the model and
+        that layer alone takes this one's output: the premises of the model's certificate,
+        which FedAvg updates switch off (``W'`` moves between local steps) and which needs a
+        sequential tail (no second head). So it applies only where the model certifies, and
+        starts with the first candidate whose fit tells, then clears the pool of the
+        uncertified candidates that do not fit. Until then, and without such a layer (input
+        sparsity, a noisy gradient, a next layer too wide: ``layer_above_applies``), all of
+        them."""
+        fits = self._fit_the_layer_above(snapped.directions)
+        if fits is None:
             return snapped
-        q = snapped.directions
-        columns = q.to(problem.sparse_factor.dtype) @ problem.sparse_factor.T
-        errors = rounding_error(q, setup.rounding)
-        tol = setup.tol.zero_rtol
-        fits = fits_the_layer_above(columns, snapped.zero_masks, problem.next_weight, tol, errors)
+        fits, telling = fits
+        if not self.layer_above_holds:
+            if not bool((fits & telling).any()):
+                return snapped
+            self.layer_above_holds = True
+            pooled = self._fit_the_layer_above(self.pool.directions)
+            assert pooled is not None
+            misfits = ~pooled[0] & ~self.pool.certified
+            final = self.verdict is not None and self.verdict.verified  # kept as it stands
+            if bool(misfits.any()) and not final:  # the pool's indices move: select again
+                self.pool.reject(misfits.nonzero()[:, 0].tolist())
+                self.best, self.verdict, self.pool_purged = None, None, True
         if bool(fits.all()):
             return snapped
         self.pool.rejected_masks = torch.cat([self.pool.rejected_masks, snapped.zero_masks[~fits]])
         return snapped.select(fits)
+
+    def _fit_the_layer_above(self, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """:func:`~spear.core.consistency.fits_the_layer_above` for directions q (k x b) of the
+        whole layer, or None where it does not apply."""
+        setup, problem = self.setup, self.setup.problem
+        upper = problem.next_weight
+        if upper is None or problem.mode != "output" or setup.split.noisy or not self.gate.active:
+            return None
+        factor = problem.sparse_factor
+        if not layer_above_applies(factor.shape[0], upper.shape[0]):
+            return None
+        columns = q.to(factor.dtype) @ factor.T
+        floors = rounding_floor(q, setup.rounding, factor.shape[0])
+        errors = rounding_error(q, setup.rounding)
+        return fits_the_layer_above(columns, upper, setup.tol.zero_rtol, floors, errors)
 
     def _run_deferred_swaps(self) -> None:
         """The swaps the last selection skipped (a step that certified samples), when the run

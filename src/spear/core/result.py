@@ -144,7 +144,8 @@ class Reconstruction:
             ``reduction`` ("mean" or "sum"), when the model-level certificate could tell.
         client_batch_size, missing_samples: for a mean loss, the client's batch size B (read off
             the loss weight 1/B) and how many of its samples left no trace in this layer (every
-            neuron inactive for them: no attack on this layer can see them).
+            neuron inactive for them, or gradients below the others' rounding on neurons the
+            others activate too: no attack on this layer can see them).
         consistent: the gradients are reproduced and sigma = 1 (necessary, not sufficient), or
             sigma < 1 only for silent entries the model explains (then ``consistent_directions``
             < b and ``notes`` say so; :func:`spear.core.verdict.model_explains_silent`).

@@ -685,8 +685,9 @@ def verdict_message(verdict: Verdict, b: int) -> str:
         if verdict.reduction.missing:
             text += (
                 f"; the loss weights say 1/{verdict.reduction.batch_size} per sample: either "
-                f"{verdict.reduction.missing} sample(s) left no trace in this layer (no active neuron; "
-                "they cannot be recovered from it), or the update was scaled (learning rate, clipping)"
+                f"{verdict.reduction.missing} sample(s) left no trace in this layer (no active neuron, "
+                "or a gradient below the others' rounding on neurons they activate too; they cannot be "
+                "recovered from it), or the update was scaled (learning rate, clipping)"
             )
         return text
     if verdict.verified_by == "layer":

@@ -2,7 +2,8 @@
 
 import torch
 
-from spear.core.polish import POLISH_FRACTION, polish_directions
+from spear.core.filtering import kernel_of_rows
+from spear.core.polish import POLISH_FRACTION, polish_directions, repair_rows
 
 ZERO_RTOL = 1e-4  # float32's zero band
 
@@ -66,3 +67,25 @@ def test_everywhere_solves_the_clean_columns_too():
     assert bool(result.solved[1:].all())
     solved = result.Qbar / result.Qbar.norm(dim=0)
     assert float((solved - truth).norm(dim=0).max()) < 1e-9
+
+
+def test_an_input_column_off_by_a_trace_is_solved_again_on_its_zero_and_negative_rows():
+    """Input mode: a direction carrying -1e-4 of another sample's column reads that column's
+    rows below zero where its own sample's are zero, which no ReLU output is. Its clearly zero
+    rows and its negative ones are exactly its sample's zeros, and their kernel is the
+    sample's direction (the selection is then scored again with it)."""
+    g = torch.Generator().manual_seed(0)
+    b, n = 6, 120
+    X = (0.1 + torch.rand(b, n, generator=g, dtype=torch.float64)) * (torch.rand(b, n, generator=g) < 0.5)
+    M = torch.randn(b, b, generator=g, dtype=torch.float64)
+    L = X.T @ M  # L q_j = X_j for q_j = M^-1 e_j
+    q = torch.linalg.inv(M)
+    off = q[:, 0] - 1e-4 * q[:, 1]
+    values = L @ off
+    assert bool((values < -POLISH_FRACTION * 1e-4 * values.abs().max()).any())
+    rows = repair_rows(values[None], 1e-4)
+    assert torch.equal(rows[0], X[0] == 0)
+    kernel, one_dim, _ = kernel_of_rows(L, rows)
+    assert bool(one_dim[0])
+    cos = torch.nn.functional.cosine_similarity(kernel[0], q[:, 0], dim=0).abs()
+    assert float(1 - cos) < 1e-12

@@ -58,6 +58,7 @@ from spear.core.filtering import (
     FLOOR_CAP,
     CandidatePool,
     SnapResult,
+    canonical_sign,
     kernel_of_rows,
     rounding_error,
     rounding_floor,
@@ -68,7 +69,7 @@ from spear.core.greedy import RANK_RTOL, Selection, greedy_filter, score
 from spear.core.input_peeling import ColumnModel, InputSidePeeler
 from spear.core.lowrank import LOW_PRECISION_EPS, LowRankSplit, equilibrated_split, low_rank_split
 from spear.core.peeling import PeeledSamples, SamplePeeler, certified_in_order, mutually_consistent
-from spear.core.polish import MAX_TURN, Polished, polish_directions
+from spear.core.polish import MAX_TURN, Polished, polish_directions, repair_rows
 from spear.core.proposers import (
     PROPOSERS,
     AutoProposer,
@@ -954,6 +955,8 @@ class _Attack:
             selection = self._explain_silent(selection, pool.zero_masks[chosen], pool.certain_zero[chosen])
             if best is not None and not selection.perfect and (best.perfect or selection.sigma < best.sigma):
                 return
+            if not selection.perfect and (repaired := self._repair_input_columns(selection)):
+                selection, chosen = repaired, list(repaired.indices)
             # a robust candidate that peeling refuted pins nothing (float32 mixtures can be robust)
             pinned = pool.robust[chosen] & ~pool.refuted[chosen]
             selection, polished = self._polish(selection)
@@ -965,6 +968,36 @@ class _Attack:
                 continue
             self.best, self.verdict = selection, verdict
             return
+
+    def _repair_input_columns(self, selection: Selection) -> Selection | None:
+        """Input mode: the selection with its columns that have negative entries solved again
+        on their clearly zero and negative rows (:func:`~spear.core.polish.repair_rows`), where
+        the kernel is one-dimensional; the new directions join the pool. None where nothing
+        changes or the score does not rise. What it completes is judged as any selection."""
+        s = self.setup
+        if s.options.sparsity != "input" or s.split.noisy or s.deadline.passed():
+            return None
+        L = s.problem.sparse_factor
+        values = (L @ selection.Qbar).T * selection.scales[:, None].to(L.dtype)
+        masks, _ = s.column_zeros(selection.Qbar.T)
+        wrong = (~(masks | (values > 0))).any(dim=1).nonzero()[:, 0]
+        if not wrong.numel():
+            return None
+        q, one_dim, robust = kernel_of_rows(L, repair_rows(values[wrong], s.tol.zero_rtol))
+        wrong, q, robust = wrong[one_dim], canonical_sign(q[one_dim]), robust[one_dim]
+        if not wrong.numel():
+            return None
+        zero, certain = s.column_zeros(q)
+        self.pool.add(SnapResult(q, zero, zero.sum(dim=1), robust, certain_zero=certain))
+        Qbar = selection.Qbar.clone()
+        Qbar[:, wrong] = q.T.to(Qbar.dtype)
+        # every column's pool index anew: adding may have moved (or dropped) candidates
+        best, at = (Qbar.T @ self.pool.directions.T.to(Qbar.dtype)).abs().max(dim=1)
+        if not bool((best >= SweptSelection.SAME_COS).all()):
+            return None
+        Qbar = self.pool.directions[at].T.to(Qbar.dtype)
+        repaired = s.scored(tuple(at.tolist()), Qbar)[0]
+        return repaired if repaired is not None and repaired.sigma > selection.sigma else None
 
     def _explain_silent(
         self, selection: Selection, masks: torch.Tensor, certain: torch.Tensor, polished: bool = False

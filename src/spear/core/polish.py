@@ -101,9 +101,9 @@ def repair_rows(values: torch.Tensor, zero_rtol: float) -> torch.Tensor:
     """Zero sets (k, rows) to solve input-mode columns (k, rows) again on: their clearly zero
     rows (at most ``POLISH_FRACTION * zero_rtol`` of the column's largest) and every negative
     one (a ReLU output is never negative: such an entry is a true zero that the column's error
-    moved). A column snapped on a set holding a small active entry carries a trace of other
-    samples' columns; its true zeros then read up to a few ``zero_rtol`` and some below zero,
-    and the selection holding it stays short of sigma = 1. Measured on a float32 MLP 6 x 500
+    moved). A direction that carries a trace of other samples' columns reads its true zeros up
+    to a few ``zero_rtol``, some below zero, and the selection holding it stays short of
+    sigma = 1 (what put the trace there was not traced). Measured on a float32 MLP 6 x 500
     trained 200 steps, layer 2, b = 32, seed 2 (AMD EPYC): one column turned 3e-7 from its
     sample's, 19 of its 199 true zeros at -2e-4 to -3e-4 of its largest; these rows gave
     exactly the 199 true zeros, and their kernel the sample's direction."""

@@ -41,6 +41,7 @@ import torch
 
 from spear.core.deadline import NEVER, Deadline
 from spear.core.filtering import DEFAULT_ZERO_RTOL, KERNEL_GAP_RTOL, kernel_of_rows
+from spear.core.linalg import gram_ridge, row_products, solve_ex
 from spear.core.verify import DEFAULT_VERIFY_RTOL
 
 #: the floor below which an entry is certainly zero, as a fraction of ``zero_rtol``
@@ -191,6 +192,8 @@ LAYER_ABOVE_SUPPORT = 10.0
 #: classifier head or a narrow layer (the cost is ``k^2`` per row and candidate; the
 #: mixtures it refuses come from same-class samples whose ``delta`` agree, a narrow head's)
 LAYER_ABOVE_MAX_WIDTH = 32
+#: rows beyond k that a fit must rest on to tell (and, twice k plus this, that the layer needs)
+LAYER_ABOVE_MARGIN = 8
 #: candidates per batched solve
 LAYER_ABOVE_CHUNK = 4096
 
@@ -198,7 +201,7 @@ LAYER_ABOVE_CHUNK = 4096
 def layer_above_applies(rows: int, width: int) -> bool:
     """Whether :func:`fits_the_layer_above` can tell samples from mixtures below a next layer
     ``width`` wide, on ``rows`` live rows."""
-    return width <= LAYER_ABOVE_MAX_WIDTH and rows >= 2 * width + 8
+    return width <= LAYER_ABOVE_MAX_WIDTH and rows >= 2 * width + LAYER_ABOVE_MARGIN
 
 
 def fits_the_layer_above(
@@ -231,11 +234,10 @@ def fits_the_layer_above(
     (``W'`` moves between the local steps) nor where the output also feeds another layer; the
     attack applies the check once a telling fit shows it holds (``_Attack._samples_only``)."""
     B = next_weight.T.to(columns.dtype)
-    m, k = B.shape
+    k = B.shape[1]
     fits = torch.zeros(columns.shape[0], dtype=torch.bool, device=columns.device)
     telling = torch.zeros_like(fits)
-    BB = (B[:, :, None] * B[:, None, :]).reshape(m, k * k)
-    eye = torch.eye(k, dtype=B.dtype, device=B.device)
+    BB = row_products(B, B)
     for part in torch.arange(columns.shape[0], device=columns.device).split(LAYER_ABOVE_CHUNK):
         y = columns[part]
         size = y.abs()
@@ -245,15 +247,14 @@ def fits_the_layer_above(
         support = size > LAYER_ABOVE_SUPPORT * threshold[:, None]
         w = support.to(B.dtype)
         gram = (w @ BB).reshape(-1, k, k)  # (D B)^T (D B)
-        floor = 1e-14 * gram.diagonal(dim1=1, dim2=2).amax(1)[:, None, None] + 1e-300
-        delta = torch.linalg.solve(gram + floor * eye, ((w * y) @ B)[:, :, None])[:, :, 0]
         on_support = w * y
+        delta = solve_ex(gram + gram_ridge(gram), on_support @ B)[0]
         residual = (on_support - w * (delta @ B.T)).norm(dim=1)
         tolerance = zero_rtol * on_support.norm(dim=1)
         if errors is not None:
             tolerance = tolerance + errors[part].to(tolerance)
         fits[part] = residual <= LAYER_ABOVE_SLACK * tolerance
-        telling[part] = support.sum(dim=1) > k + 8
+        telling[part] = support.sum(dim=1) > k + LAYER_ABOVE_MARGIN
     return fits, telling
 
 

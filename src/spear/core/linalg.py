@@ -29,6 +29,20 @@ def lstsq(A: torch.Tensor, B: torch.Tensor) -> torch.Tensor:
     return torch.linalg.pinv(A) @ B
 
 
+def row_products(A: torch.Tensor, B: torch.Tensor) -> torch.Tensor:
+    """Each row's outer product ``A_i B_i^T`` of ``A`` (m, a) and ``B`` (m, c), flattened to
+    (m, a c): masked Gram matrices ``sum_i w_i A_i B_i^T`` over weights ``w`` (S, m) are then
+    one matmul, ``(w @ row_products(A, B)).reshape(S, a, c)``."""
+    return (A[:, :, None] * B[:, None, :]).reshape(A.shape[0], -1)
+
+
+def gram_ridge(gram: torch.Tensor) -> torch.Tensor:
+    """A ridge for Gram matrices (S, k, k) that may be singular (a mask with fewer rows than
+    k): 1e-14 of each one's largest diagonal entry (and 1e-300) times the identity."""
+    eye = torch.eye(gram.shape[-1], dtype=gram.dtype, device=gram.device)
+    return (1e-14 * gram.diagonal(dim1=-2, dim2=-1).amax(-1)[..., None, None] + 1e-300) * eye
+
+
 #: batched LU factorizations of matrices this large are run one matrix at a time on the CPU
 #: (:func:`solve_ex`); MKL's getrf goes wrong from n = 150 (measured on two machines, with 2 to 16
 #: threads; below 150 never)

@@ -47,8 +47,24 @@ class Verification:
     uncovered: int = 0
 
 
+def relu_gates(z: torch.Tensor, z_rtol: float, live: torch.Tensor | None = None) -> torch.Tensor:
+    """(b, m) where the ReLU lets pre-activations ``z`` (b, m) through: positive ones, and those
+    within ``z_rtol`` of their sample's largest on the ``live`` rows (all by default), which have
+    no sign (see the module doc); an exact zero's gate is closed."""
+    active = z > 0
+    if z_rtol > 0 and (live is None or bool(live.any())):
+        scale = (z if live is None else z[:, live]).abs().amax(dim=1, keepdim=True)
+        active |= (z.abs() <= z_rtol * scale) & (z != 0)
+    return active
+
+
 def uncovered_rows(
-    weight: torch.Tensor, bias: torch.Tensor, grad_weight: torch.Tensor, inputs: torch.Tensor, z_rtol: float
+    weight: torch.Tensor,
+    bias: torch.Tensor,
+    grad_weight: torch.Tensor,
+    inputs: torch.Tensor,
+    z_rtol: float,
+    live: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """(m,) the neurons whose row of dL/dW is nonzero (:func:`live_rows`) while every sample of
     ``inputs`` has it clearly inactive (its pre-activation below ``-z_rtol`` of the sample's
@@ -60,14 +76,10 @@ def uncovered_rows(
     whose gradients lie below the rounding of the others' (a float32 head, 15 confident samples
     at loss ~1e-5 beside one misclassified at 3.5) leave the gradient's rank at 1, and that one
     sample reproduces it to 9e-5 of its norm, within verify_rtol. Only for exact gradients:
-    noise makes every row live."""
-    live = live_rows(grad_weight)
-    if not bool(live.any()) or inputs.shape[0] == 0:
-        return live
+    noise makes every row live. ``live``: :func:`live_rows` of ``grad_weight`` where known."""
+    live = live_rows(grad_weight) if live is None else live
     z = inputs.to(weight.dtype) @ weight.T + bias  # (b, m)
-    scale = z[:, live].abs().amax(dim=1, keepdim=True)
-    active = (z > 0) | ((z.abs() <= z_rtol * scale) & (z != 0))  # the gates of recompute_gradients
-    return live & ~active.any(dim=0)
+    return live & ~relu_gates(z, z_rtol, live).any(dim=0)
 
 
 def recompute_gradients(
@@ -83,11 +95,7 @@ def recompute_gradients(
     pre-activations within ``z_rtol`` of their sample's largest on the ``live`` rows (all by
     default) have no sign (see the module doc)."""
     if mode == "output":
-        z = inputs @ weight.T + bias  # (b, m)
-        active = z > 0
-        if z_rtol > 0 and (live is None or bool(live.any())):
-            scale = (z if live is None else z[:, live]).abs().amax(dim=1, keepdim=True)
-            active |= (z.abs() <= z_rtol * scale) & (z != 0)  # an exact zero's gate is closed
+        active = relu_gates(inputs @ weight.T + bias, z_rtol, live)  # (b, m)
         grad_z = grad_outputs * active.T.to(grad_outputs.dtype)
         return grad_z @ inputs, grad_z.sum(dim=1)
     relu_inputs = inputs.clamp_min(0)
@@ -111,13 +119,12 @@ def verify(
     each sample's largest on the neurons the observed gradient shows alive. ``exact``: the
     gradient carries no noise beyond rounding, so (output mode) a live row that no sample
     activates fails the check (:func:`uncovered_rows`)."""
-    live = live_rows(grad_weight) if z_rtol > 0 else None
+    covered = exact and mode == "output"
+    live = live_rows(grad_weight) if z_rtol > 0 or covered else None
     gw, gb = recompute_gradients(weight, bias, inputs, grad_outputs, mode, z_rtol, live)
     err_w = torch.linalg.norm(gw - grad_weight) / torch.linalg.norm(grad_weight)
     err_b = torch.linalg.norm(gb - grad_bias) / torch.linalg.norm(grad_bias).clamp_min(1e-300)
     residual = float(torch.maximum(err_w, err_b))
     ok = residual <= rtol and bool(torch.isfinite(inputs).all())
-    uncovered = 0
-    if exact and mode == "output":
-        uncovered = int(uncovered_rows(weight, bias, grad_weight, inputs, z_rtol).sum())
+    uncovered = int(uncovered_rows(weight, bias, grad_weight, inputs, z_rtol, live).sum()) if covered else 0
     return Verification(verified=ok and not uncovered, residual=residual, rtol=rtol, uncovered=uncovered)

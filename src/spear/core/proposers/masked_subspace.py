@@ -47,6 +47,7 @@ from dataclasses import dataclass
 import torch
 
 from spear.core.deadline import NEVER, Deadline
+from spear.core.linalg import gram_ridge, row_products
 from spear.core.proposers.base import (
     DirectionProposer,
     ProposalBatch,
@@ -128,13 +129,13 @@ class PatternSearch:
     found: torch.Tensor
 
     def __post_init__(self) -> None:
-        m, k = self.B.shape
+        m = self.B.shape[0]
         eye = torch.eye(m, dtype=self.U.dtype, device=self.U.device)
         self.P = eye - self.U @ self.U.T
         self.P_diag = self.P.diagonal().clone()
         # per-row outer products, so masked Gram matrices are one matmul each
-        self.BB = (self.B[:, :, None] * self.B[:, None, :]).reshape(m, k * k)
-        self.UB = (self.U[:, :, None] * self.B[:, None, :]).reshape(m, -1)
+        self.BB = row_products(self.B, self.B)
+        self.UB = row_products(self.U, self.B)
         self.deflate(self.found)
 
     def deflate(self, found: torch.Tensor) -> None:
@@ -144,7 +145,7 @@ class PatternSearch:
         self.Pi = torch.eye(found.shape[0], dtype=self.U.dtype, device=self.U.device) - V @ V.T
         self.Pi_diag = self.Pi.diagonal().clone()
         self.stacked = torch.cat([self.P, self.Pi], dim=1)  # one gather updates both residuals
-        self.VB = (V[:, :, None] * self.B[:, None, :]).reshape(found.shape[0], -1)
+        self.VB = row_products(V, self.B)
 
     def fit(self, masks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """For patterns (S, m): the delta (S, k) the deflated objective prefers (the search's
@@ -157,8 +158,7 @@ class PatternSearch:
         perp = gram - inside.transpose(1, 2) @ inside  # (D B)^T P (D B)
         outside = (w @ self.VB).reshape(S, -1, k)  # V^T D B
         fresh = gram - outside.transpose(1, 2) @ outside  # (D B)^T Pi (D B)
-        eye = torch.eye(k, dtype=gram.dtype, device=gram.device)
-        floor = (1e-14 * gram.diagonal(dim1=1, dim2=2).amax(1)[:, None, None] + 1e-300) * eye
+        floor = gram_ridge(gram)
         # the deflated objective: the largest ||Pi y||^2 / (||P y||^2 + eta ||y||^2)
         values, delta = _generalized_eigh(fresh, perp + ETA * gram + floor)
         search = delta[:, :, -1]

@@ -275,6 +275,38 @@ def test_float32_cnn_head_pins_its_sign_only_sample_at_the_measured_rounding(mni
     assert not before.verified and "does not pin them" in before.message
 
 
+@pytest.mark.parametrize("seed, b", [(2, 16), (0, 32)])
+def test_float32_cnn_head_faint_columns_whose_zeros_read_above_the_band(mnist, seed, b, monkeypatch):
+    """The realism matrix's float32 CNN head (hidden 500) trained 200 steps: the true batch is
+    in the pool at once, but its faintest columns (3e-5 to 9e-5 of the largest; seed 2, b = 16)
+    read some true zeros above float32's zero band (up to 3.6e-4 of their peak, where it is
+    1e-4), on neurons their samples leave inactive: sigma stayed below 1 and the search ran its
+    whole budget. Those entries lie within their columns' measured rounding floor, so they
+    hold nothing against the batch, and the model certifies the faint columns; their loss
+    weights (0.8e-3 to 2e-3 off 1/B, through a nearly saturated softmax: sensitivity ~10) are
+    read at the loss's sensitivity times the tolerance. Without either rule the batch stays
+    unverified."""
+    model = small_cnn(mnist.image_shape, hidden=500, seed=seed, dtype=torch.float32)
+    pretrain(model, mnist, 200, seed=seed)
+    layer = feature_layer(model)
+    rec, features, labels = attack(model, layer, mnist, b, seed=seed, max_proposals=5_000)
+    assert rec.verified and rec.verified_by == "model" and rec.sigma < 1.0
+    assert any("within its faint column's rounding" in note for note in rec.notes)
+    assert_exact(rec.inputs, features, rtol=1e-3)
+    assert_labels(rec, features, labels)
+    import spear.core.verdict as verdict_module
+
+    nothing_within = lambda self, q, refuting: torch.zeros_like(refuting)  # noqa: E731
+    for target, name, value in (
+        (reconstruct_module._Attack, "_within_rounding", nothing_within),
+        (verdict_module, "MOST_WEIGHT_SENSITIVITY", 1.0),  # weights read at the misfit tolerance
+    ):
+        with monkeypatch.context() as patched:
+            patched.setattr(target, name, value)
+            before, _, _ = attack(model, layer, mnist, b, seed=seed, max_proposals=5_000)
+            assert not before.verified, name
+
+
 def test_small_cnn_checks_its_input(mnist):
     with pytest.raises(InputError, match="12x12"):
         small_cnn((1, 8, 8))

@@ -262,6 +262,13 @@ class ModelCertifier:
         tiny = torch.finfo(z.dtype).tiny
         return (hu.norm(dim=1) * zz.norm(dim=1) / g.detach().norm(dim=1).clamp_min(tiny)).detach()
 
+    def weight_sensitivity(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """(k,) how many times a relative change of each labelled sample's pre-activations
+        (along themselves) moves its predicted column, and so its fitted loss weight: the
+        loss's sensitivity at its input (``|H u| |z| / |g|``, large for a confident sample,
+        whose ``p - e_y`` moves with its logit margin)."""
+        return self._sensitivity(self._preactivations(inputs), labels.to(self.weight.device).clamp_min(0))
+
     def rounding(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor | None:
         """(k,) the relative rounding error of each labelled sample's column of dL/dZ as the
         client computed it, for cross-entropy in ``source_dtype``: ``eps (1 + 1 / |p - e_y|)``
@@ -482,6 +489,11 @@ class WeightedCertifier:
     def rounding(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor | None:
         """The inner certificate's rounding model (:meth:`ModelCertifier.rounding`)."""
         return self.inner.rounding(inputs, labels)
+
+    def weight_sensitivity(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """The inner certificate's (:meth:`ModelCertifier.weight_sensitivity`): a sample's
+        weight scales its column, not how it moves."""
+        return self.inner.weight_sensitivity(inputs, labels)
 
     def gradients(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """The inner certificate's predicted columns at unit loss weight

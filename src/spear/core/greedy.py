@@ -46,11 +46,16 @@ class Selection:
     #: the zero band, and that alone hold sigma below 1 (:func:`spear.core.verdict.
     #: model_explains_silent`); 0 when sigma is 1 or not explained
     explained: int = 0
+    #: refuting entries (an inactive neuron whose dL/dZ reads above the zero band) of faint
+    #: columns, each within its column's rounding floor, that alone (with the silent ones
+    #: above) hold sigma below 1 (:meth:`spear.core.reconstruct._Attack._explain_silent`)
+    within_rounding: int = 0
 
     @property
     def perfect(self) -> bool:
-        """sigma = 1, or every entry that holds it below 1 explained by the model."""
-        return self.sigma >= 1.0 or self.explained > 0
+        """sigma = 1, or every entry that holds it below 1 explained: by the model (silent
+        entries) or by its column's rounding (refuting entries of faint columns)."""
+        return self.sigma >= 1.0 or self.explained > 0 or self.within_rounding > 0
 
 
 def score(

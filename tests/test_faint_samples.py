@@ -201,14 +201,14 @@ def test_loss_weights_are_read_at_the_datas_rounding():
 
 
 def test_loss_weights_are_read_at_the_losss_sensitivity_times_the_misfit_tolerance():
-    """A confident sample's weight moves its sensitivity times its input's error: the weight is
-    read at that many times the misfit tolerance (at least once, at most
+    """A confident sample's weight moves about its sensitivity times its input's error: the
+    weight is read at half that many times the misfit tolerance (at least once, at most
     MOST_WEIGHT_SENSITIVITY times), or at the data's rounding where that is coarser."""
     from spear.core.verdict import MOST_WEIGHT_SENSITIVITY, weight_tolerances
 
     sample_rtol = torch.tensor([1e-3, 1e-3, 1e-3, 1e-8], dtype=torch.float64)
     sensitivity = torch.tensor([0.1, 4.0, 50.0, 3.0], dtype=torch.float64)
-    expected = torch.tensor([1e-3, 4e-3, MOST_WEIGHT_SENSITIVITY * 1e-3, 3e-8], dtype=torch.float64)
+    expected = torch.tensor([1e-3, 2e-3, MOST_WEIGHT_SENSITIVITY * 1e-3, 1.5e-8], dtype=torch.float64)
     assert torch.allclose(weight_tolerances(sample_rtol, sensitivity=sensitivity), expected)
     data = torch.tensor([0.0, 0.0, 0.0, 1e-6], dtype=torch.float64)  # the data's rounding: 3e-5
     expected[3] = 3e-5

@@ -430,3 +430,30 @@ def test_audit_without_the_learning_rate_says_so(mnist):
     fit = FitRes(Status(Code.OK, "ok"), ndarrays_to_parameters(weights), 8, {})
     record = strategy.audit(1, "0", weights, {"local_epochs": 1}, fit)
     assert not record.verified and "no 'lr'" in record.message
+
+
+def test_aggregate_note_states_the_repetition_caveat_for_any_client_sizes():
+    """A client repeating each of its samples k times sends a smaller client's update: the
+    note says so whether the clients' sizes are equal or not (an adversarial review's case:
+    a client of 6 holding 3 samples twice each read as a client of 3, without the caveat)."""
+    from spear.core.verdict import aggregate_note
+
+    for sizes in ([4, 4, 4, 4], [4, 4, 3, 3, 3]):
+        note = aggregate_note(torch.tensor(sizes), 2)
+        assert "repeating each of its samples equally often" in note
+
+
+def test_aggregate_weights_too_loose_to_pin_a_client_size_pin_none():
+    """A weight read to 1e-2 (a confident float32 sample, verdict.weight_tolerances) cannot
+    tell a client of 59 from one of 60: the client sizes are then not determined, where a
+    weight precise enough for one size still pins it."""
+    weights = torch.tensor([1 / 60 * 1.0099, 1 / 60, 1 / 4, 1 / 4], dtype=torch.float64)
+    loose = torch.tensor([1e-2, 1e-3, 1e-3, 1e-3], dtype=torch.float64)
+    assert infer_aggregate(weights, 2, loose).reduction is None
+    weights[0] = 1 / 60 * 1.0002
+    assert infer_aggregate(weights, 2, torch.full((4,), 1e-3, dtype=torch.float64)).client_sizes.tolist() == [
+        60,
+        60,
+        4,
+        4,
+    ]

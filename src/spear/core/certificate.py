@@ -186,7 +186,9 @@ def infer_aggregate(
     it is None when fewer clients than ``clients`` are seen (a client's whole batch may be
     invisible). Exact duplicates inside one client (weight ``2/B``) read as a client of ``B/2``
     samples; :func:`aggregate_multiples` finds such weights, which the verdict refuses. ``rtol``:
-    the weights' precision, one for all or one per sample (b,).
+    the weights' precision, one for all or one per sample (b,). A weight whose precision leaves
+    two client sizes possible (``1/B`` and ``1/(B + 1)`` within it: a confident sample's weight
+    read to 1e-2 in a client of 50 or more) pins none, and the reduction is not determined.
     """
     none = BatchReduction(None, None, None)
     w = weights.detach().double().cpu()
@@ -196,6 +198,9 @@ def infer_aggregate(
     sizes = 1.0 / w
     whole = sizes.round()
     if not bool(((sizes - whole).abs() <= rtol * sizes).all()) or bool((whole < 1).any()):
+        return none
+    possible = torch.floor(sizes * (1 + rtol)) - torch.ceil(sizes * (1 - rtol)) + 1
+    if bool((possible > 1).any()):
         return none
     needed, held = 0, 0
     for size in whole.unique().tolist():

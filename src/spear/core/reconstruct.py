@@ -1443,8 +1443,8 @@ class _Attack:
     def _settled(self) -> bool:
         """Whether the best selection ends the search: sigma = 1 (verified or not: no swap can
         raise it; but not unverified while input-side peeling has samples left, whose search can
-        still bring their true columns), or silent entries explained by the model and the batch
-        verified (an unverified one may yet give way to a selection of sigma = 1)."""
+        still bring their true columns), or its shortfall explained (:meth:`_explain_silent`)
+        and the batch verified (an unverified one may yet give way to a selection of sigma = 1)."""
         best = self.best
         if best is None or not best.perfect:
             return False

@@ -96,7 +96,8 @@ class AttackStats:
     seed: int
     proposer: str
     #: "sigma=1", "explained" (a verified batch below sigma = 1 for silent entries the model
-    #: explains), "accepted", "budget", "time budget", "interrupted", "exhausted", "trivial"
+    #: explains, or inactive entries within a faint column's rounding), "accepted", "budget",
+    #: "time budget", "interrupted", "exhausted", "trivial"
     stop_reason: str
     threshold_count: int
     tau: float

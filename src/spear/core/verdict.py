@@ -693,7 +693,8 @@ def aggregate_note(client_sizes: torch.Tensor, clients: int) -> str:
     listed = "; ".join(f"samples {idx} from client(s) of {size}" for size, idx in groups.items())
     return (
         f"secure aggregation over {clients} clients, told apart by their batch sizes as far as the "
-        f"update shows: {listed}"
+        f"update shows: {listed} (a client repeating each of its samples equally often gives the "
+        "update of a smaller client)"
     )
 
 

@@ -491,9 +491,15 @@ class SweptSelection:
         """The pool indices of the remembered directions still in the pool (None: none)."""
         if self.directions is None or not len(pool):
             return None
-        cos = (self.directions.to(pool.directions.dtype) @ pool.directions.T).abs()
-        best, at = cos.max(dim=1)
-        return at[best >= self.SAME_COS].tolist() or None
+        at, same = self.in_pool(self.directions, pool)
+        return at[same].tolist() or None
+
+    @classmethod
+    def in_pool(cls, directions: torch.Tensor, pool: CandidatePool) -> tuple[torch.Tensor, torch.Tensor]:
+        """For unit directions (k, b): the index of the pool's most parallel one (up to sign),
+        and whether that is the very direction (``SAME_COS``)."""
+        best, at = (directions.to(pool.directions.dtype) @ pool.directions.T).abs().max(dim=1)
+        return at, best >= cls.SAME_COS
 
 
 class _Attack:
@@ -992,8 +998,8 @@ class _Attack:
         Qbar = selection.Qbar.clone()
         Qbar[:, wrong] = q.T.to(Qbar.dtype)
         # every column's pool index anew: adding may have moved (or dropped) candidates
-        best, at = (Qbar.T @ self.pool.directions.T.to(Qbar.dtype)).abs().max(dim=1)
-        if not bool((best >= SweptSelection.SAME_COS).all()):
+        at, same = SweptSelection.in_pool(Qbar.T, self.pool)
+        if not bool(same.all()):
             return None
         Qbar = self.pool.directions[at].T.to(Qbar.dtype)
         repaired = s.scored(tuple(at.tolist()), Qbar)[0]

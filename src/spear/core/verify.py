@@ -59,16 +59,12 @@ def relu_gates(z: torch.Tensor, z_rtol: float, live: torch.Tensor | None = None)
 
 
 def uncovered_rows(
-    weight: torch.Tensor,
-    bias: torch.Tensor,
-    grad_weight: torch.Tensor,
-    inputs: torch.Tensor,
-    z_rtol: float,
-    live: torch.Tensor | None = None,
+    grad_weight: torch.Tensor, active: torch.Tensor, live: torch.Tensor | None = None
 ) -> torch.Tensor:
     """(m,) the neurons whose row of dL/dW is nonzero (:func:`live_rows`) while every sample of
-    ``inputs`` has it clearly inactive (its pre-activation below ``-z_rtol`` of the sample's
-    largest on the live rows, or exactly zero).
+    the batch has it clearly inactive (``active`` (b, m): the batch's gates,
+    :func:`relu_gates`; a pre-activation below ``-z_rtol`` of the sample's largest on the live
+    rows, or exactly zero, is closed).
 
     ReLU's backward pass is exact: a neuron inactive for every sample of a batch has an exactly
     zero row of dL/dW, in any precision. A live row that the batch leaves inactive throughout
@@ -78,8 +74,7 @@ def uncovered_rows(
     sample reproduces it to 9e-5 of its norm, within verify_rtol. Only for exact gradients:
     noise makes every row live. ``live``: :func:`live_rows` of ``grad_weight`` where known."""
     live = live_rows(grad_weight) if live is None else live
-    z = inputs.to(weight.dtype) @ weight.T + bias  # (b, m)
-    return live & ~relu_gates(z, z_rtol, live).any(dim=0)
+    return live & ~active.any(dim=0)
 
 
 def recompute_gradients(
@@ -90,12 +85,15 @@ def recompute_gradients(
     mode: SparsityMode = "output",
     z_rtol: float = 0.0,
     live: torch.Tensor | None = None,
+    active: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """dL/dW and dL/db of ``Z = W X + b`` for inputs (b x n) and dL/dZ (m x b), through the ReLU;
     pre-activations within ``z_rtol`` of their sample's largest on the ``live`` rows (all by
-    default) have no sign (see the module doc)."""
+    default) have no sign (see the module doc). ``active`` (b, m): the ReLU's gates
+    (:func:`relu_gates`) where the caller computed them already (output mode)."""
     if mode == "output":
-        active = relu_gates(inputs @ weight.T + bias, z_rtol, live)  # (b, m)
+        if active is None:
+            active = relu_gates(inputs @ weight.T + bias, z_rtol, live)  # (b, m)
         grad_z = grad_outputs * active.T.to(grad_outputs.dtype)
         return grad_z @ inputs, grad_z.sum(dim=1)
     relu_inputs = inputs.clamp_min(0)
@@ -121,10 +119,12 @@ def verify(
     activates fails the check (:func:`uncovered_rows`)."""
     covered = exact and mode == "output"
     live = live_rows(grad_weight) if z_rtol > 0 or covered else None
-    gw, gb = recompute_gradients(weight, bias, inputs, grad_outputs, mode, z_rtol, live)
+    # output mode: the gates once, for the recomputed gradients and the uncovered rows
+    active = relu_gates(inputs @ weight.T + bias, z_rtol, live) if mode == "output" else None
+    gw, gb = recompute_gradients(weight, bias, inputs, grad_outputs, mode, z_rtol, live, active)
     err_w = torch.linalg.norm(gw - grad_weight) / torch.linalg.norm(grad_weight)
     err_b = torch.linalg.norm(gb - grad_bias) / torch.linalg.norm(grad_bias).clamp_min(1e-300)
     residual = float(torch.maximum(err_w, err_b))
     ok = residual <= rtol and bool(torch.isfinite(inputs).all())
-    uncovered = int(uncovered_rows(weight, bias, grad_weight, inputs, z_rtol, live).sum()) if covered else 0
+    uncovered = int(uncovered_rows(grad_weight, active, live).sum()) if covered else 0
     return Verification(verified=ok and not uncovered, residual=residual, rtol=rtol, uncovered=uncovered)

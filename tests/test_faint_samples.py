@@ -14,7 +14,7 @@ from spear.certify import ModelCertifier, model_tail
 from spear.core.certificate import infer_reduction
 from spear.core.consistency import rounding_map
 from spear.core.filtering import rounding_floor, zero_mask
-from spear.core.verdict import LOOSEST_SAMPLE_RTOL, sample_tolerances
+from spear.core.verdict import FAINT_SAMPLE_SLACK, LOOSEST_SAMPLE_RTOL, sample_tolerances, weight_base
 from spear.fl import shallow_mlp
 from spear.fl.client import fedsgd_gradients
 from spear.metrics import match_samples
@@ -157,9 +157,19 @@ def test_sample_tolerances_follow_the_precision_up_to_a_cap():
     # precision 1e-16, 1e-8 and 1e-2: the first at verify_rtol, the second 10 x its precision,
     # the third far too faint: capped, never a misfit near 1
     assert rtol.tolist() == pytest.approx([1e-8, 1e-7, LOOSEST_SAMPLE_RTOL])
-    # where verify_rtol is looser already (float32: 1e-3), nothing changes
-    assert sample_tolerances(q, L, rounding, 1e-3).tolist() == pytest.approx([1e-3] * 3)
+    # where verify_rtol is looser already (float32: 1e-3), only a column known to more than a
+    # tenth of it is loosened, up to FAINT_SAMPLE_SLACK times verify_rtol
+    assert sample_tolerances(q, L, rounding, 1e-3).tolist() == pytest.approx(
+        [1e-3, 1e-3, FAINT_SAMPLE_SLACK * 1e-3]
+    )
+    L32 = torch.diag(torch.tensor([1.0, 1e-2, 1e-3], dtype=torch.float64))
+    rounding32 = torch.diag(torch.tensor([1e-8, 1e-6, 1.5e-7], dtype=torch.float64))
+    assert sample_tolerances(q, L32, rounding32, 1e-3).tolist() == pytest.approx([1e-3, 1e-3, 1.5e-3])
     assert sample_tolerances(q, L, None, 1e-8).tolist() == pytest.approx([1e-8] * 3)
+    # the loss weights start from the misfit tolerance, not from FAINT_SAMPLE_SLACK's loosening
+    loose = sample_tolerances(q, L, rounding, 1e-3)
+    assert weight_base(loose, 1e-3).tolist() == pytest.approx([1e-3] * 3)
+    assert torch.equal(weight_base(rtol, 1e-8), rtol)
 
 
 def test_a_loss_weight_off_by_more_than_the_misfit_tolerance_is_not_verified():

@@ -98,6 +98,7 @@ from spear.core.verdict import (
     model_explains_silent,
     sample_tolerances,
     verdict_message,
+    weight_base,
 )
 from spear.core.verify import live_rows, verify
 from spear.errors import InputError, NoSparsityError, RankError
@@ -558,6 +559,7 @@ class _Attack:
             deadline=setup.deadline,
             noisy=setup.split.noisy,
             rounding=setup.rounding,
+            copy_angle=max(RANK_RTOL, copy_angle(setup.split)),
         )
         self.search = ResidualSearch(root)
         self.search.follows_peeling = self.peeler is not None
@@ -924,7 +926,7 @@ class _Attack:
         reference = statistics.median(self.weights_seen)
         rtol = WEIGHT_PRECISION * self.setup.tol.verify_rtol
         agree = sum(abs(w / reference - 1.0) <= rtol for w in self.weights_seen)
-        own = torch.clamp_min(WEIGHT_PRECISION * sample_rtol, rtol)
+        own = torch.clamp_min(WEIGHT_PRECISION * weight_base(sample_rtol, self.setup.tol.verify_rtol), rtol)
         return ((weights / reference - 1.0).abs() <= own) & (agree >= WEIGHT_QUORUM)
 
     def _select(self, max_sweeps: int | None = None) -> None:

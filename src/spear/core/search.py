@@ -238,6 +238,7 @@ class ResidualSearch:
                 deadline=self.root.deadline,
                 noisy=self.root.noisy,
                 rounding=None if self.root.rounding is None else self.root.rounding @ self.basis,
+                copy_angle=self.root.copy_angle,
             )
             self._peeled_at_move = len(peeled)
         elif self.basis is not None and changed:

@@ -46,6 +46,9 @@ class ProposalContext:
         rounding: the rounding map of ``L`` (:func:`spear.core.consistency.rounding_map`, in
             this context's coordinates), or None: entries of ``L q`` within ``||rounding q||``
             count as zero (the columns of faint samples).
+        copy_angle: the angle within which two found directions can be copies of one column
+            (:func:`spear.core.reconstruct.copy_angle`, at least the greedy selection's rank
+            tolerance): proposers that count the found directions' span count such copies once.
     """
 
     L: torch.Tensor
@@ -61,6 +64,7 @@ class ProposalContext:
     deadline: Deadline = NEVER
     noisy: bool = False
     rounding: torch.Tensor | None = None
+    copy_angle: float = 0.0
 
     @property
     def rows(self) -> int:
@@ -104,13 +108,17 @@ class ProposalBatch:
     below_threshold: int = 0
 
 
-def orthogonal_complement(vectors: torch.Tensor, dim: int) -> torch.Tensor:
+def orthogonal_complement(vectors: torch.Tensor, dim: int, rtol: float = 0.0) -> torch.Tensor:
     """Orthonormal basis (dim x (dim - k)) of the complement of the span of k rows of
-    ``vectors``; the identity when there are none."""
+    ``vectors``; the identity when there are none. With ``rtol`` > 0 (unit rows), directions
+    of that span whose singular value is at most ``rtol`` count as outside it: near-copies of
+    one vector (within an angle of about ``rtol``) span one dimension, not two."""
     k = vectors.shape[0]
     if k == 0:
         return torch.eye(dim, dtype=vectors.dtype, device=vectors.device)
-    _, _, Vh = torch.linalg.svd(vectors, full_matrices=True)
+    _, S, Vh = torch.linalg.svd(vectors, full_matrices=True)
+    if rtol > 0:
+        k = int((rtol < S).sum())
     return Vh[k:].T
 
 

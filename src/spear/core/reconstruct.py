@@ -94,11 +94,11 @@ from spear.core.verdict import (
     Verdict,
     column_precision,
     data_precision,
+    explained_misfits,
     judge,
     model_explains_silent,
     sample_tolerances,
     verdict_message,
-    weight_base,
 )
 from spear.core.verify import live_rows, verify
 from spear.errors import InputError, NoSparsityError, RankError
@@ -345,6 +345,13 @@ class AttackSetup:
         if self.options.sparsity != "output":
             return torch.full((directions.shape[0],), self.tol.verify_rtol, dtype=torch.float64)
         return sample_tolerances(directions, self.problem.sparse_factor, self.rounding, self.tol.verify_rtol)
+
+    def explained_misfits(self, directions: torch.Tensor) -> torch.Tensor | None:
+        """(k,) the misfit the rounding of each direction's column explains
+        (:func:`~spear.core.verdict.explained_misfits`), in output mode; else None."""
+        if self.options.sparsity != "output":
+            return None
+        return explained_misfits(directions, self.problem.sparse_factor, self.rounding, self.tol.verify_rtol)
 
     def sample_precision(self, directions: torch.Tensor) -> torch.Tensor:
         """(b,) each sample's rounding in the data, for the batch of these directions (b x b,
@@ -926,7 +933,7 @@ class _Attack:
         reference = statistics.median(self.weights_seen)
         rtol = WEIGHT_PRECISION * self.setup.tol.verify_rtol
         agree = sum(abs(w / reference - 1.0) <= rtol for w in self.weights_seen)
-        own = torch.clamp_min(WEIGHT_PRECISION * weight_base(sample_rtol, self.setup.tol.verify_rtol), rtol)
+        own = torch.clamp_min(WEIGHT_PRECISION * sample_rtol, rtol)
         return ((weights / reference - 1.0).abs() <= own) & (agree >= WEIGHT_QUORUM)
 
     def _select(self, max_sweeps: int | None = None) -> None:
@@ -1228,6 +1235,7 @@ class _Attack:
             clients=clients,
             sample_rtol=rtol,
             precision=precision,
+            explained=self.setup.explained_misfits(selection.Qbar.T) if gate.takes_rtol else None,
         )
 
     def _sample_rtol(self, directions: torch.Tensor) -> torch.Tensor:

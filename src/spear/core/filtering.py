@@ -92,7 +92,11 @@ def rounding_floor(q: torch.Tensor, rounding: torch.Tensor | None, rows: int) ->
     entries of ``L q`` (k,): ``ROUNDING_ENTRY`` times the root mean square entry of the error
     vector. Its true zeros lie below it (measured: a faint column's zeros reach 1e-8 of its
     maximum, where the floor is 3e-7). None without a map."""
-    error = rounding_error(q, rounding)
+    return floor_of(rounding_error(q, rounding), rows)
+
+
+def floor_of(error: torch.Tensor | None, rows: int) -> torch.Tensor | None:
+    """:func:`rounding_floor` from the rounding errors (k,) of :func:`rounding_error`."""
     return None if error is None else ROUNDING_ENTRY * error / math.sqrt(rows)
 
 

@@ -59,6 +59,7 @@ from spear.core.filtering import (
     CandidatePool,
     SnapResult,
     canonical_sign,
+    floor_of,
     kernel_of_rows,
     rounding_error,
     rounding_floor,
@@ -686,8 +687,8 @@ class _Attack:
         if not layer_above_applies(factor.shape[0], upper.shape[0]):
             return None
         columns = q.to(factor.dtype) @ factor.T
-        floors = rounding_floor(q, setup.rounding, factor.shape[0])
         errors = rounding_error(q, setup.rounding)
+        floors = floor_of(errors, factor.shape[0])
         return fits_the_layer_above(columns, upper, setup.tol.zero_rtol, floors, errors)
 
     def _run_deferred_swaps(self) -> None:

@@ -299,15 +299,3 @@ def test_a_column_missing_within_its_rounding_is_kept_not_refuted():
     assert verdict.reject == [2, 3] and verdict.verified_by is None
     assert any("kept, not refuted" in p for p in verdict.problems)
     assert any("sample(s) [2, 3]" in p for p in verdict.problems)
-
-    # the others are certified one by one: the reduction they fit, multiplicity 0 for the kept one
-    misfit = torch.tensor([1e-4, 1e-4, 1.2e-3, 1e-4], dtype=torch.float64)
-    ok = misfit <= 1e-3
-    weights = torch.where(ok, torch.full((b,), 1.0 / b, dtype=torch.float64), torch.nan)
-    cert = SampleCertificates(ok, torch.where(ok, 0, -1), weights, misfit)
-    spared = unrefuted(cert, rtol, explained)
-    verdict = SimpleNamespace(problems=[], notes=[], reject=[], reduction=None, verified_by=None)
-    verdict.partial_reduction = None
-    _judge_by_model(verdict, cert, torch.zeros(b, dtype=torch.bool), rtol, True, spared=spared)
-    assert verdict.reject == [] and verdict.verified_by is None
-    assert verdict.partial_reduction.multiplicities.tolist() == [1, 1, 0, 1]

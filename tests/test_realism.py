@@ -314,8 +314,8 @@ def test_float32_cnn_head_faintest_column_is_kept_not_refuted(mnist, monkeypatch
     (1e-3 apart) had filled the last of the pool's 32 places, so the masked-subspace proposer
     never guessed the last sample. Now the column is kept (within what its rounding explains)
     and found directions count such copies once, with the remainder's guesses first: the whole
-    batch comes back, exact, and not verified (that sample is too faint to certify), with 30
-    of the others certified one by one. Without either change, nothing comes back."""
+    batch comes back, exact, and not verified (that sample is too faint to certify). Without
+    either change, nothing comes back."""
     import spear.core.proposers.masked_subspace as masked_module
     import spear.core.verdict as verdict_module
 
@@ -326,12 +326,6 @@ def test_float32_cnn_head_faintest_column_is_kept_not_refuted(mnist, monkeypatch
     assert not rec.verified and "kept, not refuted" in rec.message
     assert rec.inputs is not None
     assert_exact(rec.inputs, features, rtol=1e-3)
-    # the others are certified one by one: 27 peeled, and 3 by the batch's own certificates
-    # (one more fits its label by sign only), where only the peeled ones were
-    assert rec.certified_inputs is not None and rec.certified_inputs.shape[0] >= 28
-    est, ref = match_samples(rec.certified_inputs.double(), features.double())
-    gap = (rec.certified_inputs.double()[est] - features.double()[ref]).abs().amax()
-    assert float(gap) <= 1e-3 * float(features.abs().max())
     for target, name, value in (
         (verdict_module, "MOST_EXPLAINED_MISFIT", 0.0),
         (masked_module, "REMAINDER_FIRST", 0),

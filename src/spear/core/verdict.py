@@ -409,34 +409,13 @@ def reduction_of_tight(weights: torch.Tensor, precision: torch.Tensor) -> BatchR
     samples are certified by none of this."""
     precision = precision.detach().double().cpu().expand_as(weights)
     loose = precision > precision.min()
-    if not bool(loose.any()):
+    if not bool(loose.any()) or int((~loose).sum()) < 2:
         return None
-    return _reduction_of(weights, precision, ~loose)
-
-
-def reduction_without(
-    weights: torch.Tensor, precision: torch.Tensor, spared: torch.Tensor
-) -> BatchReduction | None:
-    """The reduction that the samples other than ``spared`` (b,) fit, with multiplicity 0 for
-    those (columns kept but not certified, :func:`unrefuted`), so that the others are certified
-    one by one, as where a faint sample's weight fits none (:func:`reduction_of_tight`); None
-    where they fit none. The batch stays unverified."""
-    precision = precision.detach().double().cpu().expand_as(weights)
-    return _reduction_of(weights, precision, ~spared.detach().cpu())
-
-
-def _reduction_of(
-    weights: torch.Tensor, precision: torch.Tensor, keep: torch.Tensor
-) -> BatchReduction | None:
-    """The reduction the ``keep`` samples (b,) fit, multiplicity 0 for the others; None for
-    fewer than two of them, or where they fit none."""
-    if int(keep.sum()) < 2:
-        return None
-    fit = infer_reduction(weights[keep.to(weights.device)], precision[keep])
+    fit = infer_reduction(weights[~loose.to(weights.device)], precision[~loose])
     if fit.reduction is None or fit.multiplicities is None:
         return None
     multiplicities = torch.zeros(weights.numel(), dtype=torch.long)
-    multiplicities[keep] = fit.multiplicities
+    multiplicities[~loose] = fit.multiplicities
     return replace(fit, multiplicities=multiplicities, missing=None)
 
 
@@ -682,11 +661,7 @@ def _judge_by_model(
             "the network cannot tell them apart; or none: e.g. samples this layer cannot separate, "
             "or a duplicated input with different labels)"
         )
-    if unfit:
-        return
-    if bool(spared.any()):
-        if clients == 1:  # the others are certified one by one
-            verdict.partial_reduction = reduction_without(cert.weights, precision, spared)
+    if unfit or bool(spared.any()):
         return
     saturated = cert.saturated.nonzero()[:, 0].tolist()
     if saturated:

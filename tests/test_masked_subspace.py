@@ -537,3 +537,29 @@ def test_columns_with_fewer_zeros_than_a_kernel_needs_are_pinned_by_their_patter
     monkeypatch.setattr(masked_subspace, "pin_columns", lambda *a: (pin(*a)[0], torch.zeros_like(pin(*a)[1])))
     without = spear.attack_layer(view.model, "4", view.gradients, seed=7260, max_proposals=50_000)
     assert not without.verified and without.stats.proposals == 50_000
+
+
+def test_near_copies_of_a_found_direction_count_once():
+    """Two near-copies of one column (1e-3 apart, as a faint float32 column is found through two
+    zero sets) among the found directions leave one more sample unfound than their number says:
+    the remainder's guesses must still run for it."""
+    from spear.core.proposers.base import orthogonal_complement
+    from spear.core.proposers.masked_subspace import unfound
+
+    b = 4
+    e = torch.eye(b, dtype=torch.float64)
+    copy = e[0] + 1e-3 * e[1]
+    found = torch.stack([e[0], copy / copy.norm(), e[2]])
+    assert orthogonal_complement(found, b).shape[1] == 1  # exact rank: 3 of 4
+    assert orthogonal_complement(found, b, 1e-2).shape[1] == 2  # the copies span one dimension
+    ctx = ProposalContext(
+        L=torch.eye(b, dtype=torch.float64),
+        batch_size=b,
+        threshold_count=1,
+        generator=torch.Generator().manual_seed(0),
+        proposal_dtype=torch.float64,
+        found=found,
+        copy_angle=1e-2,
+    )
+    assert unfound(ctx) == 2
+    assert unfound(dataclasses.replace(ctx, copy_angle=0.0)) == 1

@@ -447,6 +447,12 @@ def copy_angle(split: LowRankSplit) -> float:
     return NOISY_DUPLICATE_SPREAD * split.noise_ratio
 
 
+def selection_rank_rtol(split: LowRankSplit) -> float:
+    """The rank tolerance of the greedy selection, and the angle within which proposers count
+    two found directions as copies of one column: :func:`copy_angle`, at least ``RANK_RTOL``."""
+    return max(RANK_RTOL, copy_angle(split))
+
+
 def noisy_duplicate_cos(split: LowRankSplit) -> float:
     """The cosine above which two candidates of a noisy gradient are one direction: each column
     is found many times through slightly different noisy zero sets, and the greedy selection
@@ -567,7 +573,7 @@ class _Attack:
             deadline=setup.deadline,
             noisy=setup.split.noisy,
             rounding=setup.rounding,
-            copy_angle=max(RANK_RTOL, copy_angle(setup.split)),
+            copy_angle=selection_rank_rtol(setup.split),
         )
         self.search = ResidualSearch(root)
         self.search.follows_peeling = self.peeler is not None
@@ -957,7 +963,7 @@ class _Attack:
                 certain_zero=pool.certain_zero,
                 z_rtol=s.tol.z_rtol,
                 deadline=s.deadline,
-                rank_rtol=max(RANK_RTOL, copy_angle(s.split)),
+                rank_rtol=selection_rank_rtol(s.split),
                 start=None if max_sweeps == 0 else self.swept.find(pool),
             )
             if selection is None:

@@ -609,9 +609,10 @@ class MaskedSubspaceProposer(DirectionProposer):
         if not applicable(ctx):
             return False
         self._prepare(ctx)
-        left = unfound(ctx)
         queued = bool(self.queue.shape[0] or self.hints.shape[0])
-        return queued or self._due(ctx) or ctx.found.shape[0] > self.explained or 0 < left <= REMAINDER_MAX
+        if queued or self._due(ctx) or ctx.found.shape[0] > self.explained:
+            return True
+        return 0 < unfound(ctx) <= REMAINDER_MAX  # an SVD of the found: only where it decides
 
     def _due(self, ctx: ProposalContext) -> bool:
         """Whether a new pass over all guesses is due."""

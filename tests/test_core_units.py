@@ -283,6 +283,32 @@ def test_greedy_stage_two_fixes_a_wrong_stage_one_choice():
     assert sel is not None and sel.sigma == 1.0 and 0 not in sel.indices
 
 
+def test_a_swap_never_takes_a_copy_or_mixture_of_the_directions_that_stay():
+    """The swaps keep stage 1's rank test: a candidate within ``rank_rtol`` of the span of the
+    directions that would stay is refused there (checked against an explicit projection). A
+    float32 CNN head (b = 64) swapped a copy of one column carrying a 1.7e-3 trace of a faint
+    one in for that faint column, and held two copies of one sample."""
+    g = torch.Generator().manual_seed(3)
+    b, rtol = 6, 1e-2
+    basis = torch.linalg.qr(torch.randn(b, b, generator=g, dtype=torch.float64))[0].T
+    copy = basis[0] + 1e-3 * basis[1]
+    mixture = basis[2] + basis[3]
+    other = torch.randn(b, generator=g, dtype=torch.float64)
+    directions = torch.cat([basis, torch.stack([copy, mixture, other])])
+    current, free, outside = torch.arange(b), torch.arange(b), torch.arange(b, b + 3)
+    fresh = greedy._swaps_outside_the_rest(directions, current, free, outside, rtol)
+    for p in range(b):
+        rest = directions[[i for i in range(b) if i != p]].T
+        for j, v in enumerate(directions[outside]):
+            residual = v - rest @ torch.linalg.lstsq(rest, v[:, None]).solution[:, 0]
+            assert bool(fresh[p, j]) == bool(residual.norm() > rtol * v.norm()), (p, j)
+            trial = current.clone()
+            trial[p] = outside[j]
+            assert greedy._outside_the_rest(directions, trial, p, rtol) == bool(fresh[p, j])
+    assert not bool(fresh[1, 0]) and bool(fresh[0, 0])  # the copy of 0 may stand for 0 only
+    assert not bool(fresh[:2, 1].any()) and bool(fresh[2:4, 1].all())  # the mixture: for 2 or 3
+
+
 def test_sampler_hits_true_directions():
     client = make_client(6, width=150, seed=8)
     split = low_rank_split(client.grads["0.weight"])

@@ -14,6 +14,7 @@ from spear.core.proposers import MaskedSubspaceProposer, ProposalContext
 from spear.core.proposers.masked_subspace import (
     ETA,
     MIN_RUN,
+    MOST_CONVERGED,
     RATIO_FLOOR,
     PatternSearch,
     _FlipState,
@@ -563,3 +564,26 @@ def test_near_copies_of_a_found_direction_count_once():
     )
     assert unfound(ctx) == 2
     assert unfound(dataclasses.replace(ctx, copy_angle=0.0)) == 1
+
+
+def test_a_faint_columns_pattern_converges_within_its_own_rounding():
+    """With a rounding map (faint columns), a pattern has converged where its plain ratio is
+    within its column's squared relative rounding (a faint column lies that far outside the
+    computed range(L)), between ``done`` and ``MOST_CONVERGED``; without a map, at ``done``."""
+    g = torch.Generator().manual_seed(0)
+    m, b, k, done = 40, 5, 3, 1e-6
+    U = torch.linalg.qr(torch.randn(m, b, generator=g, dtype=torch.float64))[0]
+    B = torch.randn(m, k, generator=g, dtype=torch.float64)
+    masks = torch.rand(8, m, generator=g) < 0.5
+    delta = torch.randn(8, k, generator=g, dtype=torch.float64)
+    at_done = PatternSearch(U, B, U[:, :0]).thresholds(masks, delta, done)
+    assert torch.equal(at_done, torch.full((8,), done, dtype=torch.float64))
+    inside = (masks.double() * (delta @ B.T)) @ U  # reference: the columns' coordinates in U
+    for weakest in (3e-3, 1.0):  # squared precisions about 1e-6 to 1e-5; above the cap
+        rounding = torch.diag(torch.tensor([1e-7, 1e-6, 1e-5, 1e-4, weakest], dtype=torch.float64))
+        precision = (inside @ rounding.T).norm(dim=1) / inside.norm(dim=1)
+        expected = precision.square().clamp(done, MOST_CONVERGED)
+        got = PatternSearch(U, B, U[:, :0], rounding).thresholds(masks, delta, done)
+        torch.testing.assert_close(got, expected)
+        between = (got > done) & (got < MOST_CONVERGED)
+        assert bool(between.any()) if weakest < 1 else bool((got == MOST_CONVERGED).all())

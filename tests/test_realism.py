@@ -336,6 +336,55 @@ def test_float32_cnn_head_faintest_column_is_kept_not_refuted(mnist, monkeypatch
             assert before.inputs is None, name
 
 
+def test_float32_cnn_head_b64_faintest_patterns_converge_and_no_copy_is_swapped_in(mnist, monkeypatch):
+    """The same head, seed 0, b = 64. Its two faintest columns (3.5e-5 and 6.5e-5 of the
+    largest) lie outside the computed range(L) by their rounding: their exact patterns, which
+    the remainder guessed, read ratios of 2e-6 and 1.2e-6, over the 1e-6 at which the pattern
+    search converged, and the batch was never whole. Now a pattern converges within its own
+    column's rounding (``MOST_CONVERGED``), and a selection holding every sample (each within
+    1e-2: the faintest are known only that well) is judged. Its two faintest columns miss
+    their best label by more than ``MOST_EXPLAINED_MISFIT`` and are refuted; the swaps then
+    took a copy of sample 43 carrying a trace of a faint column in place of that column, and
+    the batch came back with sample 43 twice. Now no swap takes a copy of a direction that
+    stays: nothing comes back but the samples certified one by one."""
+    import spear.core.greedy as greedy_module
+    import spear.core.proposers.masked_subspace as masked_module
+
+    judged = []
+    judge = reconstruct_module._Attack._judge
+
+    def recording(self, selection, *args):
+        verdict = judge(self, selection, *args)
+        if verdict is not None:
+            judged.append(verdict.inputs)
+        return verdict
+
+    monkeypatch.setattr(reconstruct_module._Attack, "_judge", recording)
+    model = small_cnn(mnist.image_shape, hidden=500, seed=0, dtype=torch.float32)
+    pretrain(model, mnist, 200, seed=0)
+    layer = feature_layer(model)
+    rec, features, _ = attack(model, layer, mnist, 64, seed=0, max_proposals=3_000)
+    assert judged
+    assert_exact(judged[0].to(features), features, rtol=1e-2)
+    assert rec.inputs is None and "no b=64 of them form" in rec.message
+    assert rec.certified_inputs is not None and rec.certified_inputs.shape[0] == 4
+    certified = rec.certified_inputs.to(features)
+    est, ref = match_samples(certified, features)
+    assert float((certified[est] - features[ref]).abs().max()) <= 1e-3 * float(features.abs().max())
+    with monkeypatch.context() as patched:
+        patched.setattr(masked_module, "MOST_CONVERGED", 0.0)
+        judged.clear()
+        attack(model, layer, mnist, 64, seed=0, max_proposals=3_000)
+        assert not judged
+    with monkeypatch.context() as patched:
+        patched.setattr(greedy_module, "_swaps_outside_the_rest", lambda *args: None)
+        patched.setattr(greedy_module, "_outside_the_rest", lambda *args: True)
+        copied, _, _ = attack(model, layer, mnist, 64, seed=0, max_proposals=3_000)
+        assert copied.inputs is not None
+        with pytest.raises(AssertionError, match="relative error"):
+            assert_exact(copied.inputs.to(features), features, rtol=0.1)
+
+
 def test_small_cnn_checks_its_input(mnist):
     with pytest.raises(InputError, match="12x12"):
         small_cnn((1, 8, 8))

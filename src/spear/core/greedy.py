@@ -200,9 +200,13 @@ def _best_swap(
     outside: torch.Tensor,
     best_sigma: float,
     deadline: Deadline = NEVER,
+    rank_rtol: float = RANK_RTOL,
 ):
     """The swap (selected position, unselected candidate) that raises sigma most, as (the new
-    index set, its exact :func:`score`), or None when no swap raises it.
+    index set, its exact :func:`score`), or None when no swap raises it. A candidate within
+    ``rank_rtol`` of the span of the directions it would join is never swapped in (the rank
+    test of stage 1, :func:`sparsest_basis`): it is a copy of one of their samples, or a
+    mixture of them, and takes a second place for it (:func:`_outside_the_rest`).
 
     Swaps are ranked by :func:`swap_sigmas` (rank-one updates, output mode) or scored outright
     (input mode, or a selection too ill-conditioned for the updates: :func:`_rank_afresh`); the
@@ -221,17 +225,22 @@ def _best_swap(
         )
     if ranked is None:
         ranked = _rank_afresh(problem, directions, masks, sets, certain_zero, z_rtol, deadline)
+    fresh = _swaps_outside_the_rest(directions, current, free, outside, rank_rtol)
+    if fresh is not None:
+        ranked = torch.where(fresh.reshape(ranked.shape), ranked, torch.full_like(ranked, -1.0))
     flat = ranked.reshape(-1)
     order = torch.argsort(flat, descending=True, stable=True)
 
-    def exact(trial: torch.Tensor):
+    def exact(trial: torch.Tensor, position: int):
+        if not _outside_the_rest(directions, trial, position, rank_rtol):
+            return None
         return _score_sets(problem, directions, masks, trial[None], certain_zero, z_rtol)
 
     for rank, k in enumerate(order[:SWAP_RESCORE].tolist()):
         if float(flat[k]) <= best_sigma:
             return None
-        scored = exact(sets[k])
-        if float(scored[0][0]) > best_sigma:
+        scored = exact(sets[k], int(pos.reshape(-1)[k]))
+        if scored is not None and float(scored[0][0]) > best_sigma:
             swaps = torch.stack([pos.reshape(-1), new.reshape(-1)], dim=1)
             rest = order[rank + 1 :]  # the ones ranked above k did not help
             return _more_swaps(exact, swaps, flat, rest, k, (sets[k], scored), best_sigma, deadline)
@@ -239,7 +248,7 @@ def _best_swap(
 
 
 def _more_swaps(
-    exact: Callable[[torch.Tensor], tuple],
+    exact: Callable[[torch.Tensor, int], tuple | None],
     swaps: torch.Tensor,
     ranked: torch.Tensor,
     order: torch.Tensor,
@@ -251,8 +260,8 @@ def _more_swaps(
     """After the sweep's best swap ``first`` (giving ``chosen``, a set and its score), the
     next-ranked ``swaps`` (position, candidate; tried in ``order``, those ranked below
     ``first``) that still raise sigma, each at another position with another candidate,
-    applied in rank order and each scored ``exact``-ly on the set as it stands (at most
-    ``MORE_SWAPS`` tries). The ranking comes from the set before
+    applied in rank order and each scored ``exact``-ly on the set as it stands (None: not a
+    valid swap there; at most ``MORE_SWAPS`` tries). The ranking comes from the set before
     any swap (sigma ``before``), so it only orders the tries; a sweep then does the work of
     several (a trained float32 layer climbed from sigma 0.75 to 0.974 in eight sweeps of
     2.5 s, one swap each). Past ``deadline`` no more are tried."""
@@ -269,12 +278,43 @@ def _more_swaps(
         tries += 1
         trial = current.clone()
         trial[p] = v
-        result = exact(trial)
-        if float(result[0][0]) > sigma:
+        result = exact(trial, p)
+        if result is not None and float(result[0][0]) > sigma:
             current, scored, sigma = trial, result, float(result[0][0])
             positions.add(p)
             candidates.add(v)
     return current, scored
+
+
+def _swaps_outside_the_rest(
+    directions: torch.Tensor,
+    current: torch.Tensor,
+    free: torch.Tensor,
+    outside: torch.Tensor,
+    rank_rtol: float,
+) -> torch.Tensor | None:
+    """(len(free), len(outside)) whether each swap's candidate lies more than ``rank_rtol``
+    (relative) outside the span of the directions that stay, or None where the selection is
+    singular. With ``w = Qbar^-1 v``, v lies ``|w_k| / ||(Qbar^-1)_k||`` outside the span of
+    the columns but k (row k of the inverse, normalized, is that span's normal)."""
+    inverse, info = torch.linalg.inv_ex(directions[current].T)
+    if int(info) != 0:
+        return None
+    rows = inverse[free]
+    candidates = directions[outside]
+    w = rows @ candidates.T
+    reach = rows.norm(dim=1, keepdim=True) * candidates.norm(dim=1)[None, :]
+    return w.abs() > rank_rtol * reach
+
+
+def _outside_the_rest(
+    directions: torch.Tensor, chosen: torch.Tensor, position: int, rank_rtol: float
+) -> bool:
+    """Whether the direction at ``position`` of the index set ``chosen`` lies more than
+    ``rank_rtol`` (relative) outside the span of the others (:func:`_swaps_outside_the_rest`)."""
+    here = torch.tensor([position], device=chosen.device)
+    fresh = _swaps_outside_the_rest(directions, chosen, here, chosen[here], rank_rtol)
+    return fresh is not None and bool(fresh[0, 0])
 
 
 def swap_sigmas(
@@ -489,6 +529,7 @@ def greedy_filter(
             outside,
             best_sigma,
             deadline,
+            rank_rtol,
         )
         if swap is None:
             break

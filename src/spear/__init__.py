@@ -13,9 +13,12 @@ import os
 
 # Reproducible MKL: by default its results depend on memory alignment, so the same gradient and
 # seed could give different attacks run to run (float32 cases sit near decision thresholds).
+# STRICT: "AUTO" alone left the last bits free run to run (a float32 CNN head trained 200
+# steps, b = 64, seed 2, 100,000 proposals: three distinct results in five single-thread runs,
+# and with two threads one run in six ended another way; with STRICT, bit for bit the same).
 # MKL reads this when it first computes, so it applies unless the process already ran a BLAS
 # call before importing spear; a user's own MKL_CBWR setting wins.
-os.environ.setdefault("MKL_CBWR", "AUTO")
+os.environ.setdefault("MKL_CBWR", "AUTO,STRICT")
 
 from spear import fl, theory
 from spear.api import attack_layer, build_options, reconstruct

@@ -47,8 +47,9 @@ def test_repeated_attacks_in_one_process_agree_bit_for_bit():
 
 def test_importing_spear_makes_mkl_strictly_reproducible_unless_the_user_chose():
     """spear sets ``MKL_CBWR=AUTO,STRICT`` before MKL first computes: with ``AUTO`` alone a
-    float32 CNN head's attack (b = 64, 100,000 proposals) ended three ways in five runs of one
-    process each; with STRICT, bit for bit the same. A user's own setting is kept."""
+    float32 CNN head's attack (b = 64, 100,000 proposals, one process per run) gave three
+    distinct last bits in five single-thread runs, and one two-thread run in six ended another
+    way; with STRICT, bit for bit the same. A user's own setting is kept."""
     import os
     import subprocess
     import sys

@@ -99,6 +99,7 @@ from spear.core.verdict import (
     judge,
     model_explains_silent,
     sample_tolerances,
+    tolerances_of,
     verdict_message,
 )
 from spear.core.verify import live_rows, verify
@@ -1221,7 +1222,13 @@ class _Attack:
         tol, gate, ok = self.setup.tol, self.gate, self.resolvable
         trusted = self.setup.trusted_columns(selection.Qbar.T)
         clients = self.setup.options.clients
-        rtol = self._sample_rtol(selection.Qbar.T)
+        explained = self.setup.explained_misfits(selection.Qbar.T) if gate.takes_rtol else None
+        # the tolerances are the explained misfits capped (sample_tolerances): derived, not recomputed
+        rtol = (
+            self._sample_rtol(selection.Qbar.T)
+            if explained is None
+            else tolerances_of(explained, tol.verify_rtol)
+        )
         data_precision = self.setup.sample_precision(selection.Qbar)
         precision = None  # nothing solved on its clearly zero rows: nothing to audit
         if bool(polished.any()):
@@ -1242,7 +1249,7 @@ class _Attack:
             clients=clients,
             sample_rtol=rtol,
             precision=precision,
-            explained=self.setup.explained_misfits(selection.Qbar.T) if gate.takes_rtol else None,
+            explained=explained,
         )
 
     def _sample_rtol(self, directions: torch.Tensor) -> torch.Tensor:

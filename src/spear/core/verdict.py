@@ -79,7 +79,13 @@ def sample_tolerances(
     """(k,) the misfit tolerance of the samples whose columns are ``L q`` for these directions
     (k x b, output sparsity): ``verify_rtol``, or ``PRECISION_SLACK`` times the column's
     precision where that is coarser (:func:`explained_misfits`), up to ``LOOSEST_SAMPLE_RTOL``."""
-    explained = explained_misfits(directions, sparse_factor, rounding, verify_rtol)
+    return tolerances_of(explained_misfits(directions, sparse_factor, rounding, verify_rtol), verify_rtol)
+
+
+def tolerances_of(explained: torch.Tensor, verify_rtol: float) -> torch.Tensor:
+    """(k,) the misfit tolerances of :func:`sample_tolerances` from the misfits the columns'
+    rounding explains (:func:`explained_misfits`): those, up to ``LOOSEST_SAMPLE_RTOL`` (or
+    ``verify_rtol`` where that is looser)."""
     return explained.clamp_max(max(verify_rtol, LOOSEST_SAMPLE_RTOL))
 
 

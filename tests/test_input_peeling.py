@@ -370,3 +370,81 @@ def test_near_duplicate_samples_of_a_cnn_head_are_recovered_through_the_model():
     rec = spear.attack_layer(view.model, layer, view.gradients, seed=1391, max_proposals=50_000)
     assert rec.verified and rec.stats.certified == 10
     assert_exact(rec.inputs, features, rtol=1e-9)
+
+
+def _faint_batch(m=60, n=50, b=8, faint=1e-7, seed=0):
+    """A layer's gradient ``C X^T`` in the library's coordinates (``L = U S^1/2``, ``R = S^1/2
+    V^T``): ReLU-sparse columns C (m, b), nonnegative sparse inputs X (b, n), sample b - 1's
+    column scaled by ``faint`` (a confident sample). Returns L, R, the true directions Q (b, b;
+    columns, ``L Q = C`` up to scale), C and X."""
+    g = torch.Generator().manual_seed(seed)
+    C = torch.randn(m, b, generator=g, dtype=torch.float64)
+    C[torch.rand(m, b, generator=g) < 0.5] = 0.0
+    C[:, -1] *= faint
+    X = torch.rand(b, n, generator=g, dtype=torch.float64)
+    X[torch.rand(b, n, generator=g) < 0.5] = 0.0
+    U, S, Vh = torch.linalg.svd(C @ X, full_matrices=False)
+    L, R = U[:, :b] * S[:b].sqrt(), S[:b, None].sqrt() * Vh[:b]
+    Q = torch.linalg.lstsq(L, C).solution
+    return L, R, Q / Q.norm(dim=0), C, X
+
+
+def test_a_columns_kernel_is_judged_by_its_own_size_beside_a_faint_column():
+    # L = U S^1/2 gives a faint sample's unit direction a column of norm ~sqrt(faint), 3e-4: below the
+    # kernel tolerance on every row. Judged in L's own coordinates, a strong sample's zero rows
+    # then had a two-dimensional kernel (its column and the faint one) and never pinned it; the
+    # float32 CNN head trained 200 steps (b = 64) certified nothing that way
+    from spear.core.input_peeling import OrthonormalFactor, _kernel
+
+    L, _, Q, C, _ = _faint_batch()
+    rows = (C[:, :-1] == 0).T  # the strong samples' zero rows
+    rtol = 1e-3
+    plain_one_dim = _kernel(L, rows, rtol)[0]
+    assert not bool(plain_one_dim.any())
+    one_dim, _, vectors, _ = OrthonormalFactor.of(L).kernel(rows, rtol)
+    assert bool(one_dim.all())
+    cos = (vectors * Q[:, :-1].T).sum(dim=1).abs()
+    assert float((1 - cos).max()) < 1e-12
+    # the faint column's own zero rows: its kernel is its own direction, at any size
+    own = OrthonormalFactor.of(L).kernel((C[:, -1:] == 0).T, rtol)
+    assert bool(own[0].all()) and float((own[2][0] @ Q[:, -1]).abs()) > 1 - 1e-9
+
+
+def test_found_columns_give_their_inputs_when_the_missing_column_is_faint():
+    # spear.core.column_inputs: with every column but the faint sample's found, each found
+    # column's input is read off the duals of the found ones, and its zeros pin it exactly. The
+    # faint column's trace (~1e-8 of each input) lies within float32's zero band, where faint
+    # samples live (in float64 they rarely do: such a batch is resolvable)
+    from spear.core.column_inputs import column_input_candidates
+    from spear.core.input_peeling import OrthonormalFactor
+
+    _, R, Q, _, X = _faint_batch()
+    b = Q.shape[1]
+    basis = OrthonormalFactor.of(R.T)
+    float32 = Tolerances.for_dtype(torch.float32)
+    none = PeeledSamples.empty(b, R.shape[1], R.dtype, R.device)
+
+    def offered(directions, peeled=none, tried=None):
+        counts = torch.full((directions.shape[0],), 30)
+        tried = set() if tried is None else tried
+        r = column_input_candidates(R, directions, counts, peeled, basis, float32, 1e-6, tried)
+        x = r @ R
+        return r, x / x.norm(dim=1, keepdim=True)
+
+    truth = X / X.norm(dim=1, keepdim=True)
+    found = Q[:, :-1].T  # (b - 1, b): every sample's direction but the faint one's
+    tried: set[bytes] = set()
+    candidates, inputs = offered(found, tried=tried)
+    cos = (inputs @ truth[:-1].T).abs().amax(dim=1)
+    assert candidates.shape[0] == b - 1 and float((1 - cos).max()) < 1e-12
+    # a zero set solved once is not solved again
+    assert len(tried) == b - 1 and offered(found, tried=tried)[0].shape[0] == 0
+    # the inputs of samples peeled already are not offered again
+    peeled = PeeledSamples.empty(b, R.shape[1], R.dtype, R.device)
+    peeled.coefficients = candidates[:3].clone()
+    assert offered(found, peeled)[0].shape[0] == b - 4
+    # a strong column missing instead: its trace spoils the inputs it touches, which read too
+    # few zeros or are not pinned, and no wrong input is offered in their place
+    spoiled, inputs = offered(Q[:, 1:].T)
+    assert spoiled.shape[0] < b - 1
+    assert bool(((inputs @ truth.T).abs().amax(dim=1) > 1 - 1e-9).all())

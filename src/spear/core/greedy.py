@@ -103,6 +103,7 @@ def sparsest_basis(
     certified: torch.Tensor | None = None,
     rank_rtol: float = RANK_RTOL,
     preferred: torch.Tensor | None = None,
+    partial: bool = False,
 ) -> list[int] | None:
     """Stage 1: greedily collect the sparsest candidates that raise the rank (Algorithm 3, l. 2-9),
     certified candidates (samples peeled exactly, :mod:`spear.core.peeling`) first, then the
@@ -111,7 +112,8 @@ def sparsest_basis(
     least the angle within which candidates can be copies of one column (the gradient's
     precision, :func:`spear.core.reconstruct.copy_angle`).
 
-    Returns b indices, or None when the candidates span fewer than b dimensions."""
+    Returns b indices, or None when the candidates span fewer than b dimensions (with
+    ``partial``: the indices found, however few)."""
     key = zero_counts.to(torch.float64)
     if key.numel():
         tier = float(key.max()) + 1.0
@@ -132,7 +134,7 @@ def sparsest_basis(
             chosen.append(i)
             if len(chosen) == b:
                 return chosen
-    return None
+    return chosen if partial else None
 
 
 def _scored_chunks(

@@ -47,6 +47,7 @@ Only server-side quantities are used: W, bias, dL/dW and dL/db.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -112,6 +113,22 @@ class InputSidePeeler:
         self.zero_rtol = zero_rtol
         self.pin_inputs = pin_inputs
         self.predict_columns = predict_columns
+        self._columns: OrthonormalFactor | None = None  # built on first use (QR of L and of R^T)
+        self._inputs: OrthonormalFactor | None = None
+
+    @property
+    def column_basis(self) -> OrthonormalFactor:
+        """An orthonormal basis of the columns ``L q`` (the kernel tests of step 2)."""
+        if self._columns is None:
+            self._columns = OrthonormalFactor.of(self.problem.L)
+        return self._columns
+
+    @property
+    def input_basis(self) -> OrthonormalFactor:
+        """An orthonormal basis of the inputs ``R^T r`` (the pin of step 1)."""
+        if self._inputs is None:
+            self._inputs = OrthonormalFactor.of(self.problem.R.T)
+        return self._inputs
 
     @property
     def usable(self) -> bool:
@@ -159,7 +176,8 @@ class InputSidePeeler:
         active = (z > 0) & ~signless
         enough = inactive.sum(dim=1) >= b
         plausible = scaled & nonnegative & enough
-        one_dim, firm, q, wider = _kernel(L, inactive, self.rtol, plausible)  # q: the column's direction
+        # q: the column's direction
+        one_dim, firm, q, wider = self.column_basis.kernel(inactive, self.rtol, plausible)
         if self.predict_columns is not None and self.rtol <= MODEL_COLUMN_RTOL:  # near duplicates
             shared = (plausible & wider).nonzero()[:, 0]
             if shared.numel():
@@ -185,7 +203,7 @@ class InputSidePeeler:
         # the input's own zeros must pin p (a mixture of samples vanishes only where all do,
         # and there its kernel holds all of them)
         own_zeros = zero_mask(x, self.zero_rtol)
-        pinned, firm_input, _, _ = _kernel(problem.R.T, own_zeros, self.rtol, ok)
+        pinned, firm_input, _, _ = self.input_basis.kernel(own_zeros, self.rtol, ok)
         ok &= pinned & (own_zeros.sum(dim=1) >= b - 1)
         return ok, ok & firm & firm_input & quiet, r, u
 
@@ -224,6 +242,40 @@ class InputSidePeeler:
 #: Its square must stay far above the rounding of a float64 Gram matrix and its Cholesky
 #: factorization (~1e-13 of its trace at m = 1000, b = 256)
 SCREEN_RTOL = 1e-6
+
+
+@dataclass(frozen=True)
+class OrthonormalFactor:
+    """A factor (rows x b) as ``basis @ triangle``, ``basis`` with orthonormal columns (QR).
+
+    Kernel tests judge a vector by its size on the chosen rows *relative to its own size*,
+    which the factor's coordinates do not: ``L = U S^1/2`` gives a faint sample (a confident
+    one, whose gradient is 1e-5 of the others') a column of norm ~1e-3 for a unit direction,
+    below float32's kernel tolerance on every row. A sample's own column then never had a
+    one-dimensional kernel on its inactive rows, the faint directions lying beside it
+    (``s_(b-1) / s_1`` ~ 5e-4 where the kernel read 1e-7; the float32 CNN head trained 200
+    steps, b = 64). In the orthonormal basis every column of the span has unit size, so
+    ``s_b`` and ``s_(b-1)`` measure the kernel and its nearest rival on the same scale."""
+
+    basis: torch.Tensor
+    triangle: torch.Tensor
+
+    @staticmethod
+    def of(factor: torch.Tensor) -> OrthonormalFactor:
+        basis, triangle = torch.linalg.qr(factor)
+        return OrthonormalFactor(basis, triangle)
+
+    def kernel(
+        self, rows: torch.Tensor, rtol: float, todo: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """:func:`_kernel` of the basis, its vectors mapped back to the factor's coordinates
+        (unit vectors ``q`` with ``factor @ q`` along the kernel's column)."""
+        one_dim, robust, vectors, wider = _kernel(self.basis, rows, rtol, todo)
+        solved = vectors.abs().amax(dim=1) > 0
+        if bool(solved.any()):
+            q = torch.linalg.solve_triangular(self.triangle, vectors[solved].T, upper=True).T
+            vectors[solved] = q / q.norm(dim=1, keepdim=True).clamp_min(torch.finfo(q.dtype).tiny)
+        return one_dim, robust, vectors, wider
 
 
 def _kernel(

@@ -31,10 +31,11 @@ from __future__ import annotations
 import torch
 
 from spear.core.consistency import Tolerances
+from spear.core.deadline import NEVER, Deadline
 from spear.core.filtering import zero_mask
 from spear.core.greedy import sparsest_basis
 from spear.core.input_peeling import OrthonormalFactor
-from spear.core.peeling import PeeledSamples
+from spear.core.peeling import PeeledSamples, peel_chunks
 from spear.core.singletons import SAME_INPUT_COS
 
 
@@ -47,6 +48,7 @@ def column_input_candidates(
     tol: Tolerances,
     rank_rtol: float,
     tried: set[bytes],
+    deadline: Deadline = NEVER,
 ) -> torch.Tensor:
     """Unit coefficient vectors (k', b) of candidate inputs ``x = R^T r`` (module doc): one per
     found direction that raises the rank (stage 1 of Algorithm 3,
@@ -57,7 +59,9 @@ def column_input_candidates(
     (``verify_rtol``), each replaced by the kernel of ``R^T`` on those zeros where that
     kernel is one-dimensional (``inputs``: R^T's orthonormal basis). A zero set in ``tried``
     is not solved again (its kernel would not change); the ones solved here join it. The
-    inputs of ``peeled`` samples and repeats are left out."""
+    inputs of ``peeled`` samples and repeats are left out. The kernels are solved in chunks
+    (:func:`~spear.core.peeling.peel_chunks`); past ``deadline`` the rest are left unsolved
+    (and untried)."""
     b = R.shape[0]
     chosen = sparsest_basis(directions, zero_counts, b, rank_rtol=rank_rtol, partial=True)
     if not chosen:
@@ -72,11 +76,15 @@ def column_input_candidates(
     zeros = zero_mask(x, tol.zero_rtol) & live
     plausible = (zeros.sum(dim=1) >= b - 1) & (x.amin(dim=1) >= -tol.verify_rtol * size[:, 0])
     for i in plausible.nonzero()[:, 0].tolist():
-        key = zeros[i].cpu().numpy().tobytes()
-        plausible[i] = key not in tried
-        tried.add(key)
-    one_dim, _, r, _ = inputs.kernel(zeros, tol.verify_rtol, plausible)
-    r = r[plausible & one_dim]
+        plausible[i] = zeros[i].cpu().numpy().tobytes() not in tried
+    pinned = torch.zeros_like(plausible)
+    r = R.new_zeros(x.shape[0], b)
+    for part in peel_chunks(plausible.nonzero()[:, 0], int(zeros.sum(dim=1).max()), b):
+        if deadline.passed():
+            break
+        pinned[part], _, r[part], _ = inputs.kernel(zeros[part], tol.verify_rtol)
+        tried.update(zeros[i].cpu().numpy().tobytes() for i in part.tolist())
+    r = r[pinned]
     r = r * torch.where((r @ R).sum(dim=1, keepdim=True) < 0, -1.0, 1.0)
     return r[_not_seen(r, peeled.coefficients)]
 

@@ -874,6 +874,7 @@ class _Attack:
             s.tol,
             selection_rank_rtol(s.split),
             self.columns_tried,
+            s.deadline,
         )
         found = self._singleton_round(pin_inputs=True, candidates=candidates)
         if found is not None:

@@ -856,8 +856,8 @@ class _Attack:
         the singleton cascade's candidates are; then that cascade again, with the new samples
         subtracted. Only where the batch is not resolvable: there its faintest columns may
         never be found, or never pass as a selection, and the others' samples are certified
-        this way; a resolvable batch's selection assembles every input at once (the LT
-        setting at b = 256 spent 12 s of its 55 s in scans that changed nothing)."""
+        this way; a resolvable batch's selection assembles every input at once (scanned, the
+        LT setting at MNIST b = 256 drew the same 3,023 proposals in 54 s instead of 43 s)."""
         s = self.setup
         if self.singleton_peelers is None or self.resolvable or s.deadline.passed():
             return

@@ -36,7 +36,7 @@ from spear.core.filtering import zero_mask
 from spear.core.greedy import sparsest_basis
 from spear.core.input_peeling import OrthonormalFactor
 from spear.core.peeling import PeeledSamples, peel_chunks
-from spear.core.singletons import SAME_INPUT_COS
+from spear.core.singletons import distinct_inputs
 
 
 def column_input_candidates(
@@ -59,7 +59,8 @@ def column_input_candidates(
     (``verify_rtol``), each replaced by the kernel of ``R^T`` on those zeros where that
     kernel is one-dimensional (``inputs``: R^T's orthonormal basis). A zero set in ``tried``
     is not solved again (its kernel would not change); the ones solved here join it. The
-    inputs of ``peeled`` samples and repeats are left out. The kernels are solved in chunks
+    inputs of ``peeled`` samples and repeats are left out
+    (:func:`~spear.core.singletons.distinct_inputs`). The kernels are solved in chunks
     (:func:`~spear.core.peeling.peel_chunks`); past ``deadline`` the rest are left unsolved
     (and untried)."""
     b = R.shape[0]
@@ -75,31 +76,19 @@ def column_input_candidates(
     live = feature > tol.zero_floor * feature.max()
     zeros = zero_mask(x, tol.zero_rtol) & live
     plausible = (zeros.sum(dim=1) >= b - 1) & (x.amin(dim=1) >= -tol.verify_rtol * size[:, 0])
-    for i in plausible.nonzero()[:, 0].tolist():
-        plausible[i] = zeros[i].cpu().numpy().tobytes() not in tried
+    keys = {i: zeros[i].cpu().numpy().tobytes() for i in plausible.nonzero()[:, 0].tolist()}
+    for i, key in keys.items():
+        plausible[i] = key not in tried
     pinned = torch.zeros_like(plausible)
     r = R.new_zeros(x.shape[0], b)
     for part in peel_chunks(plausible.nonzero()[:, 0], int(zeros.sum(dim=1).max()), b):
         if deadline.passed():
             break
         pinned[part], _, r[part], _ = inputs.kernel(zeros[part], tol.verify_rtol)
-        tried.update(zeros[i].cpu().numpy().tobytes() for i in part.tolist())
+        tried.update(keys[i] for i in part.tolist())
     r = r[pinned]
     r = r * torch.where((r @ R).sum(dim=1, keepdim=True) < 0, -1.0, 1.0)
-    return r[_not_seen(r, peeled.coefficients)]
-
-
-def _not_seen(r: torch.Tensor, known: torch.Tensor) -> torch.Tensor:
-    """(k,) which unit vectors r (k, b) are neither along a ``known`` coefficient vector nor a
-    repeat of an earlier one."""
-    keep = torch.ones(r.shape[0], dtype=torch.bool, device=r.device)
-    if known.shape[0]:
-        unit = known / known.norm(dim=1, keepdim=True).clamp_min(torch.finfo(known.dtype).tiny)
-        keep &= (r @ unit.T.to(r)).abs().amax(dim=1) < SAME_INPUT_COS
-    for i in range(r.shape[0]):
-        if keep[i] and i and bool(((r[:i][keep[:i]] @ r[i]).abs() >= SAME_INPUT_COS).any()):
-            keep[i] = False
-    return keep
+    return r[distinct_inputs(r, peeled.coefficients)]
 
 
 __all__ = ["column_input_candidates"]

@@ -67,22 +67,28 @@ def singleton_candidates(
     # has b - 1 zeros that do not pin it, and only the model can tell it from a mixture
     keep = (x.amin(dim=1, keepdim=True) >= -zero_rtol * size)[:, 0] & (pins_itself | dense)
     r, zeros = r[keep], zeros[keep]
-    if len(peeled):  # rows of already peeled samples
-        known = peeled.coefficients / peeled.coefficients.norm(dim=1, keepdim=True)
-        unit = r / r.norm(dim=1, keepdim=True)
-        fresh = (unit @ known.T).abs().amax(dim=1) < SAME_INPUT_COS
-        r, zeros = r[fresh], zeros[fresh]
     order = torch.argsort(zeros, descending=True, stable=True)
     unit = r[order] / r[order].norm(dim=1, keepdim=True)
     cap = MAX_DENSE_CANDIDATES if dense else MAX_CANDIDATES
+    return unit[distinct_inputs(unit, peeled.coefficients, cap)]
+
+
+def distinct_inputs(unit: torch.Tensor, known: torch.Tensor, cap: int | None = None) -> list[int]:
+    """Indices, in order, of the unit coefficient vectors ``unit`` (k, b) of candidate inputs
+    that lie along no ``known`` one (f, b: the peeled samples') and repeat no earlier chosen
+    one (``|cos| >= SAME_INPUT_COS``), at most ``cap`` of them."""
+    fresh = torch.ones(unit.shape[0], dtype=torch.bool, device=unit.device)
+    if known.shape[0]:  # inputs of already peeled samples
+        along = known / known.norm(dim=1, keepdim=True)
+        fresh = (unit @ along.T.to(unit)).abs().amax(dim=1) < SAME_INPUT_COS
     chosen: list[int] = []
-    for i in range(unit.shape[0]):
+    for i in fresh.nonzero()[:, 0].tolist():
         if chosen and float((unit[chosen] @ unit[i]).abs().max()) >= SAME_INPUT_COS:
             continue
         chosen.append(i)
         if len(chosen) == cap:
             break
-    return unit[chosen]
+    return chosen
 
 
 def refine_peeled(problem: LayerProblem, peeled: PeeledSamples) -> PeeledSamples | None:
@@ -149,4 +155,10 @@ def as_output_samples(samples: PeeledSamples) -> PeeledSamples:
     )
 
 
-__all__ = ["as_input_problem", "as_output_samples", "refine_peeled", "singleton_candidates"]
+__all__ = [
+    "as_input_problem",
+    "as_output_samples",
+    "distinct_inputs",
+    "refine_peeled",
+    "singleton_candidates",
+]

@@ -15,7 +15,7 @@ from spear.core.filtering import kernel_of_rows, snap_and_filter, zero_mask
 from spear.core.greedy import greedy_filter, sparsest_basis, swap_sigmas
 from spear.core.proposers import ProposalContext
 from spear.core.proposers.next_layer import NextLayerProposer
-from tests.conftest import make_client
+from tests.conftest import deep_mlp_round, make_client
 from tests.test_peeling import _client, _peeler
 
 PASSED = Deadline(0.0)
@@ -412,3 +412,58 @@ def test_seconds_left_reads_the_one_clock():
     assert NEVER.seconds_left() is None
     assert Deadline.after(3600.0).seconds_left() > 0
     assert Deadline(at=0.0).seconds_left() < 0
+
+
+def test_an_attack_with_a_time_budget_runs_on_one_thread_while_the_machine_is_oversubscribed(
+    monkeypatch, mnist
+):
+    # spin-waiting OpenMP threads on an oversubscribed machine made one step 70x slower and a
+    # 10 s budget end at 16.4 s; on one thread the budgets held (api.budget_threads)
+    import os
+
+    import spear.api as api
+    import spear.cascade as cascade_module
+
+    threads = {"now": 2}
+    monkeypatch.setattr(torch, "get_num_threads", lambda: threads["now"])
+    monkeypatch.setattr(torch, "set_num_threads", lambda k: threads.update(now=k))
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)  # 2 cores
+    monkeypatch.setattr(api, "_warned_oversubscribed", True)  # the warning has its own test
+    seen = []
+    run_attack = api.run_attack
+
+    def recording(*args, **kwargs):
+        seen.append(threads["now"])
+        return run_attack(*args, **kwargs)
+
+    monkeypatch.setattr(api, "run_attack", recording)
+    client = make_client(20, width=200, seed=3)
+    for load, options, inside in [
+        (64.0, {"time_budget": 1e-9}, 1),
+        (64.0, {"max_proposals": 10}, 2),  # a work budget: the same bits under any load
+        (0.5, {"time_budget": 1e-9}, 2),  # idle
+    ]:
+        monkeypatch.setattr(os, "getloadavg", lambda load=load: (load,) * 3, raising=False)
+        spear.reconstruct(*client.layer_args(), seed=0, **options)
+        assert seen.pop() == inside and threads["now"] == 2
+    monkeypatch.setattr(os, "getloadavg", lambda: (64.0,) * 3, raising=False)
+    monkeypatch.setenv("OMP_WAIT_POLICY", "passive")  # threads that sleep keep their count
+    spear.reconstruct(*client.layer_args(), seed=0, time_budget=1e-9)
+    assert seen.pop() == 2
+    monkeypatch.delenv("OMP_WAIT_POLICY")
+
+    def failing(*args, **kwargs):
+        seen.append(threads["now"])
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(api, "run_attack", failing)
+    with pytest.raises(KeyboardInterrupt):
+        spear.reconstruct(*client.layer_args(), seed=0, time_budget=5.0)
+    assert seen.pop() == 1 and threads["now"] == 2  # set back however the attack ends
+    monkeypatch.setattr(api, "run_attack", recording)
+    view, _ = deep_mlp_round(mnist, 100, 8, 0)
+    cascade_module.attack_model(
+        view.model, view.gradients, ["0"], seed=0, time_budget=30.0, max_proposals=500, max_rounds=1
+    )
+    assert seen and set(seen) == {1} and threads["now"] == 2

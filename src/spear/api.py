@@ -6,6 +6,7 @@ the pure core (:mod:`spear.core.reconstruct`).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import numbers
@@ -13,7 +14,7 @@ import os
 import sys
 import time
 import warnings
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -95,32 +96,65 @@ def check_seconds(name: str, value: Any) -> None:
         raise InputError(f"{name} must be a positive, finite number of seconds or None, got {value!r}")
 
 
-def warn_if_oversubscribed(time_budget: float | None) -> None:
-    """Warn (once per process) when a time budget meets a machine with more runnable threads
-    than cores while torch runs several OpenMP threads that spin-wait: its budget may then
-    overrun by one slowed linear-algebra call (:class:`~spear.errors.OversubscribedWarning`)."""
-    global _warned_oversubscribed
-    if time_budget is None or _warned_oversubscribed or not hasattr(os, "getloadavg"):
-        return
-    if torch.get_num_threads() < 2 or os.environ.get("OMP_WAIT_POLICY", "").lower() == "passive":
-        return
+def _oversubscribed() -> tuple[float, int] | None:
+    """The machine's load and cores where more threads are runnable than cores while torch
+    runs several OpenMP threads that spin-wait (None otherwise, or where the load is unknown)."""
+    if not hasattr(os, "getloadavg") or torch.get_num_threads() < 2:
+        return None
+    if os.environ.get("OMP_WAIT_POLICY", "").lower() == "passive":
+        return None
     try:
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
         load = os.getloadavg()[0]
-    except OSError:  # no load figures here (e.g. no /proc): nothing to warn about
+    except OSError:  # no load figures here (e.g. no /proc): nothing to act on
+        return None
+    return (load, cores) if load >= cores + 1 else None
+
+
+def warn_if_oversubscribed(time_budget: float | None) -> None:
+    """Warn (once per process) when a time budget meets an oversubscribed machine
+    (:class:`~spear.errors.OversubscribedWarning`): spear-fl then runs the attack on one
+    thread (:func:`budget_threads`), which the user may want to know and can avoid."""
+    global _warned_oversubscribed
+    if time_budget is None or _warned_oversubscribed:
         return
-    if load < cores + 1:
+    found = _oversubscribed()
+    if found is None:
         return
+    load, cores = found
     _warned_oversubscribed = True
     warnings.warn(
         f"the machine's load ({load:.1f}) exceeds its {cores} cores while torch runs "
-        f"{torch.get_num_threads()} spin-waiting OpenMP threads: single linear-algebra calls can "
-        "then take 10-100x longer, and the time budget may overrun by one of them. Set "
-        "OMP_WAIT_POLICY=PASSIVE before importing torch, or torch.set_num_threads(1), or use "
-        "max_proposals (a work budget, the same result under any load)",
+        f"{torch.get_num_threads()} spin-waiting OpenMP threads: single linear-algebra calls "
+        "would take 10-100x longer and overrun the time budget, so spear-fl runs attacks with a "
+        "time budget on one thread while the load lasts (torch.set_num_threads(1), set back "
+        "after each; the last bits may differ from an idle run's). To keep your threads, set "
+        "OMP_WAIT_POLICY=PASSIVE before importing torch; max_proposals is a work budget, the "
+        "same result under any load",
         OversubscribedWarning,
         stacklevel=_caller_level(),
     )
+
+
+@contextlib.contextmanager
+def budget_threads(time_budget: float | None) -> Iterator[None]:
+    """Run the enclosed attack on one torch thread when it has a time budget and the machine is
+    oversubscribed (:func:`_oversubscribed`); torch's thread count is set back after.
+
+    There OpenMP's spin-waiting threads wait on each other: one step of a float32 CNN head
+    (b = 64) took 7 s instead of 0.1 s, and a 10 s budget ended at 16.4 s. On one thread there
+    is no barrier to wait at, and the same budgets held within 0.07 s (see "On a loaded
+    machine" under "Options" in the README). Without a time budget nothing changes: a work
+    budget's result is then the same bits under any load."""
+    if time_budget is None or _oversubscribed() is None:
+        yield
+        return
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 def _caller_level() -> int:
@@ -357,18 +391,19 @@ def reconstruct(
         if not bool(torch.isfinite(next_w).all()):
             raise InputError("next_weight contains NaN or Inf")
         next_w = next_w.to(**cast)
-    return run_attack(
-        W.to(**cast),
-        bvec.to(**cast),
-        GW.to(**cast),
-        Gb.to(**cast),
-        opts,
-        source_dtype,
-        next_gw,
-        next_w,
-        certifier,
-        started,
-    )
+    with budget_threads(opts.time_budget):
+        return run_attack(
+            W.to(**cast),
+            bvec.to(**cast),
+            GW.to(**cast),
+            Gb.to(**cast),
+            opts,
+            source_dtype,
+            next_gw,
+            next_w,
+            certifier,
+            started,
+        )
 
 
 def attack_layer(

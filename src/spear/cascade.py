@@ -34,6 +34,7 @@ from torch import nn
 from spear.api import (
     _resolve_device,
     attack_layer,
+    budget_threads,
     build_options,
     check_seconds,
     named_gradients,
@@ -282,7 +283,8 @@ def attack_model(
     if attack_budget is None and time_budget is not None:
         attack_budget = time_budget / (2 * len(order))
     plan = _Plan(order, time_budget, attack_budget, max_rounds, loss, progress, options)
-    return _Cascade(model, gradients, plan).run()
+    with budget_threads(time_budget if time_budget is not None else attack_budget):
+        return _Cascade(model, gradients, plan).run()
 
 
 @dataclass(frozen=True)

@@ -43,11 +43,13 @@ class SpearWarning(UserWarning):
 
 
 class OversubscribedWarning(SpearWarning):
-    """The machine runs more threads than it has cores, so a time budget may overrun.
+    """The machine runs more threads than it has cores, so attacks with a time budget run on
+    one thread (:func:`spear.api.budget_threads`).
 
     torch's OpenMP threads spin while they wait for each other; when other processes take
     their cores, one linear-algebra call can take 10-100x its idle time (measured: a 4000 x 784
     SVD, 0.4 s idle, 25 s beside two other 2-thread processes on 2 cores), and a deadline can
-    only be checked between such calls. ``OMP_WAIT_POLICY=PASSIVE`` (set before torch is
-    imported) or ``torch.set_num_threads(1)`` avoids it.
+    only be checked between such calls, so the budget would overrun. On one thread nothing
+    spins. ``OMP_WAIT_POLICY=PASSIVE`` (set before torch is imported) keeps the user's threads
+    and avoids it too.
     """

@@ -448,3 +448,31 @@ def test_found_columns_give_their_inputs_when_the_missing_column_is_faint():
     spoiled, inputs = offered(Q[:, 1:].T)
     assert spoiled.shape[0] < b - 1
     assert bool(((inputs @ truth.T).abs().amax(dim=1) > 1 - 1e-9).all())
+
+
+def test_a_faint_columns_inactive_entries_count_as_zero_within_its_rounding_up_to_rtol():
+    # InputSidePeeler._within_rounding: a column vanishes on its inactive rows when each entry is
+    # within zero_rtol of its max, or within its rounding floor capped at the kernel test's rtol;
+    # without a rounding map (a resolvable batch) nothing is blurred
+    from types import SimpleNamespace
+
+    from spear.core.filtering import rounding_floor
+    from spear.core.input_peeling import InputSidePeeler
+
+    m, b = 400, 4
+    q = torch.eye(b, dtype=torch.float64)[:3]
+    rounding = torch.diag(torch.tensor([1e-4, 1e-4, 1e-4, 1e-4], dtype=torch.float64))
+    floor = rounding_floor(q, rounding, m)  # 10 x the rms error per entry: 5e-5
+    column = torch.zeros(3, m, dtype=torch.float64)
+    column[:, 0] = 1.0  # every column's max
+    column[0, 1] = 0.9 * float(floor[0])  # within its floor (5e-5 of the max: above zero_rtol)
+    column[1, 1] = 1.1 * float(floor[1])  # beyond it
+    column[2, 1] = 0.9 * float(floor[2])
+    inactive = torch.zeros(3, m, dtype=torch.bool)
+    inactive[:, 1:] = True
+    judge = SimpleNamespace(rounding=rounding, zero_rtol=1e-5, rtol=1e-3)
+    assert InputSidePeeler._within_rounding(judge, column, q, inactive).tolist() == [True, False, True]
+    judge.rtol = 4e-5  # the cap: no entry beyond the kernel test's own tolerance
+    assert InputSidePeeler._within_rounding(judge, column, q, inactive).tolist() == [False, False, False]
+    judge.rounding, judge.rtol = None, 1e-3
+    assert not InputSidePeeler._within_rounding(judge, column, q, inactive).any()

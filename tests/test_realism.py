@@ -428,6 +428,31 @@ def test_float32_cnn_head_b64_certifies_the_inputs_of_its_found_columns(mnist, m
     assert certified(kernel=unwhitened_kernel) < 5
 
 
+def test_float32_cnn_head_b64_counts_faint_inputs_whose_columns_vanish_to_their_rounding(mnist, monkeypatch):
+    """Seed 1, b = 64: the pool holds every column to 1e-8 in angle, and the found columns give
+    exact inputs of faint samples (columns 1e-4 to 1e-3 of the largest), but their columns'
+    inactive entries read 1.3e-4 to 9.5e-4 of their max, above zero_rtol (1e-4): input-side
+    completion refused them. Within their rounding floor (InputSidePeeler._within_rounding)
+    they are kept, never robust, and the model certifies three more."""
+    model = small_cnn(mnist.image_shape, hidden=500, seed=1, dtype=torch.float32)
+    pretrain(model, mnist, 200, seed=1)
+    layer = feature_layer(model)
+
+    def certified() -> int:
+        rec, features, _ = attack(model, layer, mnist, 64, seed=1, max_proposals=2_000)
+        inputs = rec.certified_inputs.to(features)
+        est, ref = match_samples(inputs, features)
+        assert float((inputs[est] - features[ref]).abs().max()) <= 1e-3 * float(features.abs().max())
+        assert not rec.verified
+        return inputs.shape[0]
+
+    full = certified()
+    with monkeypatch.context() as patched:
+        strict = lambda self, column, q, inactive: torch.zeros(column.shape[0], dtype=torch.bool)  # noqa: E731
+        patched.setattr(input_peeling_module.InputSidePeeler, "_within_rounding", strict)
+        assert certified() + 3 <= full
+
+
 def unwhitened_kernel(self, rows, rtol, todo=None):
     """The input-side kernel tests as they were: in the factor's own coordinates."""
     return input_peeling_module._kernel(self.basis @ self.triangle, rows, rtol, todo)

@@ -63,17 +63,17 @@ def kernel_chunk(rows: int, b: int, elements: int) -> int:
     return max(1, min(elements // (rows * b), KERNEL_CHUNK_WORK // per_mask))
 
 
-def zero_mask(values: torch.Tensor, zero_rtol: float, floor: torch.Tensor | None = None) -> torch.Tensor:
+def zero_mask(
+    values: torch.Tensor, zero_rtol: float, floor: torch.Tensor | None = None, cap: float = FLOOR_CAP
+) -> torch.Tensor:
     """Entries of each row of ``values`` (k x rows) that are zero relative to the row's max, or
     within the row's rounding ``floor`` (k,), when given (:func:`rounding_floor`), up to
-    ``FLOOR_CAP`` of the max."""
+    ``cap`` (``FLOOR_CAP``) of the max."""
     magnitude = values.abs()
     peak = magnitude.amax(dim=-1, keepdim=True)
     threshold = peak * zero_rtol
     if floor is not None:
-        threshold = torch.maximum(
-            threshold, torch.minimum(floor.reshape(-1, 1).to(threshold), FLOOR_CAP * peak)
-        )
+        threshold = torch.maximum(threshold, torch.minimum(floor.reshape(-1, 1).to(threshold), cap * peak))
     return magnitude <= threshold
 
 

@@ -558,7 +558,13 @@ class _Attack:
             columns = setup.column_model(certifier)
             peelers = {
                 pin: InputSidePeeler(
-                    problem, tol.verify_rtol, tol.z_rtol, tol.zero_rtol, pin, predict_columns=columns
+                    problem,
+                    tol.verify_rtol,
+                    tol.z_rtol,
+                    tol.zero_rtol,
+                    pin,
+                    predict_columns=columns,
+                    rounding=setup.rounding,
                 )
                 for pin in (True, False)
             }

@@ -402,18 +402,26 @@ def test_float32_cnn_head_b64_certifies_the_inputs_of_its_found_columns(mnist, m
     zeros; pinned by them it is the sample's input exactly, and the model certifies it.
     Without the kernel tests judged in an orthonormal basis (a faint direction of L counted as
     a second kernel beside every strong column) no such input completes."""
-    model = small_cnn(mnist.image_shape, hidden=500, seed=4, dtype=torch.float32)
-    pretrain(model, mnist, 200, seed=4)
+    certified = _cnn_head_b64_certified(mnist, monkeypatch, seed=4)
+    full = certified()
+    assert full >= 20
+    assert certified((reconstruct_module._Attack, "_scan_found_columns", lambda self: None)) <= full // 2
+    assert certified((input_peeling_module.OrthonormalFactor, "kernel", unwhitened_kernel)) < 5
+
+
+def _cnn_head_b64_certified(mnist, monkeypatch, seed: int):
+    """For the float32 CNN head trained 200 steps (b = 64, ``seed``): a function attacking it
+    with 2,000 proposals, under patches ``(owner, name, value)``, that checks every certified
+    input (within 1e-3 of the largest feature, the batch unverified) and returns their count."""
+    model = small_cnn(mnist.image_shape, hidden=500, seed=seed, dtype=torch.float32)
+    pretrain(model, mnist, 200, seed=seed)
     layer = feature_layer(model)
 
-    def certified(**patches):
+    def certified(*patches) -> int:
         with monkeypatch.context() as patched:
-            for name, value in patches.items():
-                owner = (
-                    input_peeling_module.OrthonormalFactor if name == "kernel" else reconstruct_module._Attack
-                )
+            for owner, name, value in patches:
                 patched.setattr(owner, name, value)
-            rec, features, _ = attack(model, layer, mnist, 64, seed=4, max_proposals=2_000)
+            rec, features, _ = attack(model, layer, mnist, 64, seed=seed, max_proposals=2_000)
         if rec.certified_inputs is None:
             return 0
         inputs = rec.certified_inputs.to(features)
@@ -422,10 +430,7 @@ def test_float32_cnn_head_b64_certifies_the_inputs_of_its_found_columns(mnist, m
         assert not rec.verified
         return inputs.shape[0]
 
-    full = certified()
-    assert full >= 20
-    assert certified(_scan_found_columns=lambda self: None) <= full // 2
-    assert certified(kernel=unwhitened_kernel) < 5
+    return certified
 
 
 def test_float32_cnn_head_b64_counts_faint_inputs_whose_columns_vanish_to_their_rounding(mnist, monkeypatch):
@@ -434,23 +439,10 @@ def test_float32_cnn_head_b64_counts_faint_inputs_whose_columns_vanish_to_their_
     inactive entries read 1.3e-4 to 9.5e-4 of their max, above zero_rtol (1e-4): input-side
     completion refused them. Within their rounding floor (InputSidePeeler._within_rounding)
     they are kept, never robust, and the model certifies three more."""
-    model = small_cnn(mnist.image_shape, hidden=500, seed=1, dtype=torch.float32)
-    pretrain(model, mnist, 200, seed=1)
-    layer = feature_layer(model)
-
-    def certified() -> int:
-        rec, features, _ = attack(model, layer, mnist, 64, seed=1, max_proposals=2_000)
-        inputs = rec.certified_inputs.to(features)
-        est, ref = match_samples(inputs, features)
-        assert float((inputs[est] - features[ref]).abs().max()) <= 1e-3 * float(features.abs().max())
-        assert not rec.verified
-        return inputs.shape[0]
-
+    certified = _cnn_head_b64_certified(mnist, monkeypatch, seed=1)
     full = certified()
-    with monkeypatch.context() as patched:
-        strict = lambda self, column, q, inactive: torch.zeros(column.shape[0], dtype=torch.bool)  # noqa: E731
-        patched.setattr(input_peeling_module.InputSidePeeler, "_within_rounding", strict)
-        assert certified() + 3 <= full
+    strict = lambda self, column, q, inactive: torch.zeros(column.shape[0], dtype=torch.bool)  # noqa: E731
+    assert certified((input_peeling_module.InputSidePeeler, "_within_rounding", strict)) + 3 <= full
 
 
 def unwhitened_kernel(self, rows, rtol, todo=None):

@@ -114,8 +114,9 @@ class InputSidePeeler:
         self.zero_rtol = zero_rtol
         self.pin_inputs = pin_inputs
         self.predict_columns = predict_columns
-        #: the rounding map of L's columns (:attr:`~spear.core.reconstruct.AttackSetup.rounding`;
-        #: None where the batch is resolvable): a faint column's zeros read up to its floor
+        #: the rounding map of L's columns at the gradient's measured rounding
+        #: (:attr:`~spear.core.reconstruct.AttackSetup.measured_rounding`; None where the batch is
+        #: resolvable): a faint column's zeros read up to its floor
         self.rounding = rounding
         self._columns: OrthonormalFactor | None = None  # built on first use (QR of L and of R^T)
         self._inputs: OrthonormalFactor | None = None
@@ -218,9 +219,10 @@ class InputSidePeeler:
         test's ``rtol`` of its max: the zeros of a faint sample's column read at its rounding.
         The float32 CNN head trained 200 steps (MNIST, b = 64, seed 1) kept 8 exact inputs
         uncounted, their columns 1e-8 from the true ones in angle, with inactive entries at
-        1.3e-4 to 9.5e-4 of the column's max, above ``zero_rtol`` (1e-4) and far below their
-        floors (5e-3 to 4e-2). Such a sample is never robust: only a discriminative model
-        certificate, whose misfit bounds every entry, counts it (as with silent entries)."""
+        1.3e-4 to 9.5e-4 of the column's max, above ``zero_rtol`` (1e-4) and below their
+        floors. Such a sample is never robust: only a discriminative model certificate, whose
+        misfit bounds every entry, counts it (as with silent entries). The output side's
+        mirror is :meth:`spear.core.reconstruct._Attack._within_rounding`."""
         floor = rounding_floor(q, self.rounding, column.shape[1])
         if floor is None:
             return torch.zeros(column.shape[0], dtype=torch.bool, device=column.device)

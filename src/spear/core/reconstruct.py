@@ -564,7 +564,7 @@ class _Attack:
                     tol.zero_rtol,
                     pin,
                     predict_columns=columns,
-                    rounding=setup.rounding,
+                    rounding=setup.measured_rounding,
                 )
                 for pin in (True, False)
             }

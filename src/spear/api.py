@@ -143,7 +143,7 @@ def budget_threads(time_budget: float | None) -> Iterator[None]:
 
     There OpenMP's spin-waiting threads wait on each other: one step of a float32 CNN head
     (b = 64) took 7 s instead of 0.1 s, and a 10 s budget ended at 16.4 s. On one thread there
-    is no barrier to wait at, and the same budgets held within 0.07 s (see "On a loaded
+    is no barrier to wait at, and the same budgets held within 0.1 s (see "On a loaded
     machine" under "Options" in the README). Without a time budget nothing changes: a work
     budget's result is then the same bits under any load."""
     if time_budget is None or _oversubscribed() is None:

@@ -114,29 +114,21 @@ def column_strengths(
     model: torch.nn.Module, layer: str, inputs: torch.Tensor, labels: torch.Tensor
 ) -> list[float]:
     """Ground truth, for evaluation only: each sample's column of dL/dZ at ``layer`` (the
-    linear layer's output; cross-entropy, float64), its norm over the largest one's.
+    linear layer's output; cross-entropy under its own label, float64, from
+    :func:`spear.fl.replay.layer_gradients`), its norm over the largest one's.
 
     A float32 update holds a sample only as precisely as its column stands above the others'
     rounding: near 1e-4 of the largest and below (well-classified samples of a trained
     network), the data, not the attack, sets the limit."""
     import copy
 
+    from spear.fl.replay import layer_gradients
+
     net = copy.deepcopy(model).to(torch.float64).eval()
-    module = dict(net.named_modules())[layer]
-    seen: dict[str, torch.Tensor] = {}
-
-    def keep(_module, _inputs, output):
-        output.retain_grad()
-        seen["z"] = output
-
-    hook = module.register_forward_hook(keep)
-    try:
-        with torch.enable_grad():
-            loss = torch.nn.functional.cross_entropy(
-                net(inputs.to(torch.float64)), labels.long(), reduction="sum"
-            )
-            loss.backward()
-    finally:
-        hook.remove()
-    norms = seen["z"].grad.norm(dim=1)
+    x = inputs.to(torch.float64)
+    with torch.no_grad():
+        classes = int(net(x[:1]).shape[1])
+    with torch.enable_grad():
+        per_label = layer_gradients(net, layer, x, classes)  # (b, classes, m)
+    norms = per_label[torch.arange(x.shape[0]), labels.long()].norm(dim=1)
     return (norms / norms.max()).tolist()

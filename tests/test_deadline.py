@@ -464,6 +464,6 @@ def test_an_attack_with_a_time_budget_runs_on_one_thread_while_the_machine_is_ov
     monkeypatch.setattr(api, "run_attack", recording)
     view, _ = deep_mlp_round(mnist, 100, 8, 0)
     cascade_module.attack_model(
-        view.model, view.gradients, ["0"], seed=0, time_budget=30.0, max_proposals=500, max_rounds=1
+        view.model, view.gradients, ["0"], seed=0, time_budget=3600.0, max_proposals=500, max_rounds=1
     )
     assert seen and set(seen) == {1} and threads["now"] == 2

@@ -410,11 +410,11 @@ def test_a_columns_kernel_is_judged_by_its_own_size_beside_a_faint_column():
     assert bool(own[0].all()) and float((own[2][0] @ Q[:, -1]).abs()) > 1 - 1e-9
 
 
-def test_found_columns_give_their_inputs_when_the_missing_column_is_faint():
-    # spear.core.column_inputs: with every column but the faint sample's found, each found
-    # column's input is read off the duals of the found ones, and its zeros pin it exactly. The
-    # faint column's trace (~1e-8 of each input) lies within float32's zero band, where faint
-    # samples live (in float64 they rarely do: such a batch is resolvable)
+def _column_inputs_of_faint_batch():
+    """The synthetic faint batch's R, true directions Q and unit inputs, and a function
+    ``offered(directions, peeled=None, tried=None) -> (r, unit inputs)`` giving the inputs of
+    found columns (:func:`spear.core.column_inputs.column_input_candidates`, float32's
+    tolerances)."""
     from spear.core.column_inputs import column_input_candidates
     from spear.core.input_peeling import OrthonormalFactor
 
@@ -422,32 +422,62 @@ def test_found_columns_give_their_inputs_when_the_missing_column_is_faint():
     b = Q.shape[1]
     basis = OrthonormalFactor.of(R.T)
     float32 = Tolerances.for_dtype(torch.float32)
-    none = PeeledSamples.empty(b, R.shape[1], R.dtype, R.device)
 
-    def offered(directions, peeled=none, tried=None):
+    def offered(directions, peeled=None, tried=None):
+        peeled = PeeledSamples.empty(b, R.shape[1], R.dtype, R.device) if peeled is None else peeled
         counts = torch.full((directions.shape[0],), 30)
         tried = set() if tried is None else tried
         r = column_input_candidates(R, directions, counts, peeled, basis, float32, 1e-6, tried)
         x = r @ R
         return r, x / x.norm(dim=1, keepdim=True)
 
-    truth = X / X.norm(dim=1, keepdim=True)
+    return R, Q, X / X.norm(dim=1, keepdim=True), offered
+
+
+def test_found_columns_give_their_inputs_when_the_missing_column_is_faint():
+    # spear.core.column_inputs: with every column but the faint sample's found, each found
+    # column's input is read off the duals of the found ones, and its zeros pin it exactly. The
+    # faint column's trace (~1e-8 of each input) lies within float32's zero band, where faint
+    # samples live (in float64 they rarely do: such a batch is resolvable). The missing sample's
+    # own input is the complement of the found directions' span, read through R
+    R, Q, truth, offered = _column_inputs_of_faint_batch()
+    b = Q.shape[1]
     found = Q[:, :-1].T  # (b - 1, b): every sample's direction but the faint one's
     tried: set[bytes] = set()
     candidates, inputs = offered(found, tried=tried)
-    cos = (inputs @ truth[:-1].T).abs().amax(dim=1)
-    assert candidates.shape[0] == b - 1 and float((1 - cos).max()) < 1e-12
+    best, index = (inputs @ truth.T).abs().max(dim=1)
+    assert candidates.shape[0] == b and float((1 - best).max()) < 1e-12
+    assert sorted(index.tolist()) == list(range(b))  # every sample once
     # a zero set solved once is not solved again
-    assert len(tried) == b - 1 and offered(found, tried=tried)[0].shape[0] == 0
+    assert len(tried) == b and offered(found, tried=tried)[0].shape[0] == 0
     # the inputs of samples peeled already are not offered again
     peeled = PeeledSamples.empty(b, R.shape[1], R.dtype, R.device)
     peeled.coefficients = candidates[:3].clone()
-    assert offered(found, peeled)[0].shape[0] == b - 4
-    # a strong column missing instead: its trace spoils the inputs it touches, which read too
-    # few zeros or are not pinned, and no wrong input is offered in their place
-    spoiled, inputs = offered(Q[:, 1:].T)
-    assert spoiled.shape[0] < b - 1
-    assert bool(((inputs @ truth.T).abs().amax(dim=1) > 1 - 1e-9).all())
+    assert offered(found, peeled)[0].shape[0] == b - 3
+
+
+def test_found_columns_lose_the_missing_columns_trace():
+    # With b - 1 columns found, each found column's input is read up to a multiple of the
+    # missing sample's input (its dual is fixed up to the missing dual), and the multiple that
+    # gives the row the most zeros is its sample's. A strong column missing spoils every input
+    # it touches as read (too few zeros, or not pinned); without the trace all b are exact
+    from spear.core import column_inputs
+
+    _, Q, truth, offered = _column_inputs_of_faint_batch()
+    b = Q.shape[1]
+
+    def count(directions):
+        inputs = offered(directions)[1]
+        assert bool(((inputs @ truth.T).abs().amax(dim=1) > 1 - 1e-9).all())  # never a wrong input
+        return inputs.shape[0]
+
+    assert count(Q[:, 1:].T) == b
+    as_read = lambda x, missing, live, zero_rtol: x  # noqa: E731
+    with pytest.MonkeyPatch.context() as patched:
+        patched.setattr(column_inputs, "_without_trace", as_read)
+        assert count(Q[:, 1:].T) < b - 1
+    # two columns missing: the trace is not taken out, and what is offered is still exact
+    assert count(Q[:, 2:].T) < b - 2
 
 
 def test_a_faint_columns_inactive_entries_count_as_zero_within_its_rounding_up_to_rtol():

@@ -316,7 +316,10 @@ def test_float32_cnn_head_faintest_column_is_kept_not_refuted(mnist, monkeypatch
     never guessed the last sample. Now the column is kept (within what its rounding explains)
     and found directions count such copies once, with the remainder's guesses first: the whole
     batch comes back, exact, and not verified (that sample is too faint to certify). Without
-    either change, nothing comes back."""
+    either change, nothing comes back. (The remainder's guesses are no longer the only way:
+    with 31 columns found, the last sample's input is the complement of their span, and it
+    completes the batch without them; so that route is off for the counterfactual.)"""
+    import spear.core.column_inputs as column_inputs_module
     import spear.core.proposers.masked_subspace as masked_module
     import spear.core.verdict as verdict_module
 
@@ -333,8 +336,14 @@ def test_float32_cnn_head_faintest_column_is_kept_not_refuted(mnist, monkeypatch
     ):
         with monkeypatch.context() as patched:
             patched.setattr(target, name, value)
+            patched.setattr(column_inputs_module, "_with_the_missing_input", lambda x, *_: x)
             before, _, _ = attack(model, layer, mnist, 32, seed=2, max_proposals=5_000)
             assert before.inputs is None, name
+    with monkeypatch.context() as patched:  # the last sample's input alone completes it
+        patched.setattr(masked_module, "REMAINDER_FIRST", 0)
+        alone, _, _ = attack(model, layer, mnist, 32, seed=2, max_proposals=5_000)
+    assert alone.inputs is not None and not alone.verified
+    assert_exact(alone.inputs, features, rtol=1e-3)
 
 
 def test_float32_cnn_head_b64_faintest_patterns_converge_and_no_copy_is_swapped_in(mnist, monkeypatch):

@@ -69,11 +69,13 @@ def column_input_candidates(
         return R.new_zeros(0, b)
     q = directions[chosen].to(R.dtype)  # (k, b)
     duals = torch.linalg.pinv(q.T)  # (k, b): r_j . q_i = delta_ij within the k found
-    x = duals @ R
-    x = x * torch.where(x.sum(dim=1, keepdim=True) < 0, -1.0, 1.0)
-    size = x.abs().amax(dim=1, keepdim=True).clamp_min(torch.finfo(x.dtype).tiny)
     feature = R.abs().amax(dim=0)
     live = feature > tol.zero_floor * feature.max()
+    x = duals @ R
+    if len(chosen) == b - 1:
+        x = _with_the_missing_input(x, q, R, live, tol.zero_rtol)
+    x = x * torch.where(x.sum(dim=1, keepdim=True) < 0, -1.0, 1.0)
+    size = x.abs().amax(dim=1, keepdim=True).clamp_min(torch.finfo(x.dtype).tiny)
     zeros = zero_mask(x, tol.zero_rtol) & live
     plausible = (zeros.sum(dim=1) >= b - 1) & (x.amin(dim=1) >= -tol.verify_rtol * size[:, 0])
     keys = {i: zeros[i].cpu().numpy().tobytes() for i in plausible.nonzero()[:, 0].tolist()}
@@ -89,6 +91,57 @@ def column_input_candidates(
     r = r[pinned]
     r = r * torch.where((r @ R).sum(dim=1, keepdim=True) < 0, -1.0, 1.0)
     return r[distinct_inputs(r, peeled.coefficients)]
+
+
+def _with_the_missing_input(
+    x: torch.Tensor, q: torch.Tensor, R: torch.Tensor, live: torch.Tensor, zero_rtol: float
+) -> torch.Tensor:
+    """The estimated inputs x (b - 1, n) of the b - 1 independent found directions ``q``
+    without the missing sample's trace (:func:`_without_trace`), then that sample's own input
+    (:func:`_missing_input`): (b, n)."""
+    missing = _missing_input(q, R)
+    return torch.cat([_without_trace(x, missing, live, zero_rtol), missing[None]])
+
+
+def _missing_input(q: torch.Tensor, R: torch.Tensor) -> torch.Tensor:
+    """The input (n,) of the one sample whose column is not among the b - 1 independent found
+    directions ``q`` (b - 1, b), up to scale: its dual ``r`` satisfies ``r . q_i = 0`` for every
+    found ``q_i`` (Theorem 3.1's ``Q^-1 Q = I``), so it spans the orthogonal complement of
+    their span, and ``x = r R``."""
+    normal = torch.linalg.svd(q, full_matrices=True).Vh[-1]  # (b,): q @ normal = 0
+    return normal @ R
+
+
+def _without_trace(
+    x: torch.Tensor, missing: torch.Tensor, live: torch.Tensor, zero_rtol: float
+) -> torch.Tensor:
+    """The estimated inputs x (k, n) with the missing sample's trace taken out: each row is the
+    sample's input plus ``c`` times ``missing`` (its dual is known up to the missing dual), and
+    ``c`` is the one that gives the row the most zeros among the ``live`` features (module doc).
+    The row's zeros fix it: on every feature the sample lacks and the missing one has, the row
+    reads ``c`` times the missing input, so the candidates are the ratios ``x_f / missing_f`` on
+    the missing input's features of at least ``TRACE_SUPPORT`` of its largest, and 0 (the row
+    as read)."""
+    scale = missing.abs().amax().clamp_min(torch.finfo(x.dtype).tiny)
+    support = (missing.abs() >= TRACE_SUPPORT * scale).nonzero()[:, 0]
+    if not support.numel():
+        return x
+    ratios = x[:, support] / missing[support]  # (k, s): the candidate multiples per row
+    ratios = torch.cat([x.new_zeros(x.shape[0], 1), ratios], dim=1)
+    best = torch.zeros(x.shape[0], dtype=x.dtype, device=x.device)
+    rows_per_chunk = max(1, TRACE_CHUNK // (ratios.shape[1] * x.shape[1]))
+    for part in torch.arange(x.shape[0], device=x.device).split(rows_per_chunk):
+        trial = x[part, None, :] - ratios[part, :, None] * missing  # (p, s + 1, n)
+        counts = (zero_mask(trial.flatten(0, 1), zero_rtol) & live).sum(dim=1).view(trial.shape[:2])
+        best[part] = ratios[part].gather(1, counts.argmax(dim=1, keepdim=True))[:, 0]
+    return x - best[:, None] * missing
+
+
+#: :func:`_without_trace` tries the ratios on the missing input's features of at least this
+#: share of its largest (smaller ones carry more of the rows' rounding)
+TRACE_SUPPORT = 1e-2
+#: ... and holds at most this many entries at once (rows x candidates x features)
+TRACE_CHUNK = 2**24
 
 
 __all__ = ["column_input_candidates"]

@@ -141,18 +141,43 @@ def test_residual_problem_is_the_gradient_of_the_unpeeled_samples():
     assert torch.allclose((residual.L @ q_rest).abs() < 1e-14, (dZ[rest] != 0).logical_not().T)
 
 
-def test_a_duplicate_or_inconsistent_certificate_is_rejected():
+def _peeled_twice() -> tuple[PeeledSamples, PeeledSamples]:
+    """Samples 0-4 of a b = 20 client peeled, then samples 3-7 (3 and 4 a second time)."""
     b = 20
     _, problem, _, _, Qt = _client(b, 300, seed=3)
     peeler = _peeler(problem)
     masks = zero_mask((problem.L @ Qt).T, 1e-9)
     _, first = _peel(peeler, Qt[:, :5].T, masks[:5])
-    _, again = _peel(peeler, Qt[:, 3:8].T, masks[3:8])  # columns 3 and 4 are peeled twice
+    _, again = _peel(peeler, Qt[:, 3:8].T, masks[3:8])
+    return first, again
+
+
+def test_a_duplicate_or_inconsistent_certificate_is_rejected():
+    first, again = _peeled_twice()
     keep = mutually_consistent(first, again, RTOL)
     assert keep.tolist() == [False, False, True, True, True]
     # a forged certificate: the right direction with another sample's coefficients
     forged = PeeledSamples(again.directions[2:3], first.coefficients[:1], first.inputs[:1], first.duals[:1])
     assert mutually_consistent(first, forged, RTOL).tolist() == [False]
+
+
+def test_mutual_consistency_allows_the_rounding_each_pairs_data_explain():
+    # u_j . r_k = 0 for distinct true samples up to the rounding of u_j's column and r_k's input
+    # (float32 CNN heads: true pairs read up to 1.2e-3 at rtol 1e-3, and were kept out); a
+    # duplicate reads about 1 whatever the samples' precision
+    from spear.core.peeling import CLASH_SLACK
+
+    first, again = _peeled_twice()
+    # sample 6's dual leans 2e-3 on sample 0's input: beyond rtol = 1e-3
+    again.duals[3] += 2e-3 * again.duals[3].norm() * first.coefficients[0] / first.coefficients[0].norm()
+    assert mutually_consistent(first, again, 1e-3).tolist() == [False, False, True, False, True]
+    precise = (torch.zeros(10, dtype=torch.float64), torch.zeros(10, dtype=torch.float64))
+    assert mutually_consistent(first, again, 1e-3, precise).tolist() == [False, False, True, False, True]
+    kept = [False, False, True, True, True]
+    rounded = torch.full((10,), 1e-3 / CLASH_SLACK, dtype=torch.float64)
+    assert mutually_consistent(first, again, 1e-3, (rounded, rounded)).tolist() == kept
+    coarse = torch.full((10,), 0.1 / CLASH_SLACK, dtype=torch.float64)  # still far below a duplicate's
+    assert mutually_consistent(first, again, 1e-3, (coarse, coarse)).tolist() == kept
 
 
 def test_attack_peels_every_sample_of_a_b64_batch():

@@ -447,11 +447,19 @@ def test_float32_cnn_head_b64_counts_faint_inputs_whose_columns_vanish_to_their_
     exact inputs of faint samples (columns 1e-4 to 1e-3 of the largest), but their columns'
     inactive entries read 1.3e-4 to 9.5e-4 of their max, above zero_rtol (1e-4): input-side
     completion refused them. Within their rounding floor (InputSidePeeler._within_rounding)
-    they are kept, never robust, and the model certifies three more."""
+    they are kept, never robust, and the model certifies three more.
+
+    Two strong samples of it (the largest column, and one at 6e-2 of it) fit the model by a
+    sign only (their softmax split between two classes: those labels' gradients parallel).
+    Their columns' zero sets pin them, but the batch is not resolvable (its faint columns), so
+    the pin did not count either; read column by column (AttackSetup.trusted_columns, as the
+    verdict reads a selection's), it does, and both count."""
     certified = _cnn_head_b64_certified(mnist, monkeypatch, seed=1)
     full = certified()
     strict = lambda self, column, q, inactive: torch.zeros(column.shape[0], dtype=torch.bool)  # noqa: E731
     assert certified((input_peeling_module.InputSidePeeler, "_within_rounding", strict)) + 3 <= full
+    untrusted = lambda self, q: torch.full((q.shape[0],), self.resolvable, dtype=torch.bool)  # noqa: E731
+    assert certified((reconstruct_module._Attack, "_trusted", untrusted)) + 2 <= full
 
 
 def unwhitened_kernel(self, rows, rtol, todo=None):

@@ -70,7 +70,13 @@ from spear.core.filtering import (
 from spear.core.greedy import RANK_RTOL, Selection, greedy_filter, score
 from spear.core.input_peeling import ColumnModel, InputSidePeeler
 from spear.core.lowrank import LOW_PRECISION_EPS, LowRankSplit, equilibrated_split, low_rank_split
-from spear.core.peeling import PeeledSamples, SamplePeeler, certified_in_order, mutually_consistent
+from spear.core.peeling import (
+    PeeledSamples,
+    Precisions,
+    SamplePeeler,
+    certified_in_order,
+    mutually_consistent,
+)
 from spear.core.polish import MAX_TURN, Polished, polish_directions, repair_rows
 from spear.core.proposers import (
     PROPOSERS,
@@ -355,6 +361,19 @@ class AttackSetup:
         if self.options.sparsity != "output":
             return None
         return explained_misfits(directions, self.problem.sparse_factor, self.rounding, self.tol.verify_rtol)
+
+    def pairing_precision(self, duals: torch.Tensor, coefficients: torch.Tensor) -> Precisions | None:
+        """The relative rounding of the columns ``L u`` of samples (duals u, k x b) and of their
+        inputs ``r R`` (coefficients r, k x b): :func:`~spear.core.verdict.column_precision`, and
+        its mirror on the input side (``R`` carries the map's errors per unit of each coordinate
+        of ``r``), for :func:`~spear.core.peeling.mutually_consistent`. None without a rounding
+        map (a resolvable batch: every sample far more precise than the tolerance)."""
+        if self.rounding is None:
+            return None
+        column = column_precision(duals, self.problem.sparse_factor, self.rounding)
+        r = coefficients.to(self.rounding)
+        size = (r @ self.problem.R.to(r)).norm(dim=1).clamp_min(torch.finfo(r.dtype).tiny)
+        return column, (r @ self.rounding).norm(dim=1) / size
 
     def sample_precision(self, directions: torch.Tensor) -> torch.Tensor:
         """(b,) each sample's rounding in the data, for the batch of these directions (b x b,
@@ -965,15 +984,33 @@ class _Attack:
         samples = outcome.samples
         if not len(samples):
             return None
-        accept, fits = self._certify_and_fit(samples, outcome.robust[outcome.consistent] & self.resolvable)
+        layer_ok = outcome.robust[outcome.consistent] & self._trusted(samples.duals)
+        accept, fits = self._certify_and_fit(samples, layer_ok)
         found = as_output_samples(samples)
         certified = found.select(accept)
-        certified = certified.select(mutually_consistent(subtracted, certified, s.tol.verify_rtol))
+        certified = certified.select(self._consistent_with(subtracted, certified))
         held = found.select(fits & ~accept)
         if len(held):
             subtracted.extend(certified)
-            held = held.select(mutually_consistent(subtracted, held, s.tol.verify_rtol))
+            held = held.select(self._consistent_with(subtracted, held))
         return (certified, held) if len(certified) or len(held) else None
+
+    def _consistent_with(self, subtracted: PeeledSamples, new: PeeledSamples) -> torch.Tensor:
+        """:func:`~spear.core.peeling.mutually_consistent` of the new samples with the subtracted
+        ones, to the verification tolerance plus the rounding of each pair's data
+        (:meth:`AttackSetup.pairing_precision`)."""
+        duals = torch.cat([subtracted.duals, new.duals])
+        coefficients = torch.cat([subtracted.coefficients, new.coefficients])
+        precision = self.setup.pairing_precision(duals, coefficients)
+        return mutually_consistent(subtracted, new, self.setup.tol.verify_rtol, precision)
+
+    def _trusted(self, directions: torch.Tensor) -> torch.Tensor:
+        """(k,) whether the layer's pin of each column (directions k x b) counts: every column
+        of a resolvable batch; of one that is not, the columns whose zero sets can be read on
+        their own (:meth:`AttackSetup.trusted_columns`), as the verdict reads a selection's."""
+        if self.resolvable:
+            return torch.ones(directions.shape[0], dtype=torch.bool, device=directions.device)
+        return self.setup.trusted_columns(directions).to(directions.device)
 
     def _single(self, weights: torch.Tensor, ok: torch.Tensor, sample_rtol: torch.Tensor) -> torch.Tensor:
         """Which loss weights are one sample's: equal (within each weight's precision, from the

@@ -448,8 +448,9 @@ def test_found_columns_give_their_inputs_when_the_missing_column_is_faint():
     best, index = (inputs @ truth.T).abs().max(dim=1)
     assert candidates.shape[0] == b and float((1 - best).max()) < 1e-12
     assert sorted(index.tolist()) == list(range(b))  # every sample once
-    # a zero set solved once is not solved again
-    assert len(tried) == b and offered(found, tried=tried)[0].shape[0] == 0
+    # a zero set solved once is not solved again, nor a basis whose zero sets all were
+    assert len(tried) == b + 1 and offered(found, tried=tried)[0].shape[0] == 0
+    assert offered(found, tried={key for key in tried if not key.startswith(b"basis")})[0].shape[0] == 0
     # the inputs of samples peeled already are not offered again
     peeled = PeeledSamples.empty(b, R.shape[1], R.dtype, R.device)
     peeled.coefficients = candidates[:3].clone()
@@ -472,12 +473,20 @@ def test_found_columns_lose_the_missing_columns_trace():
         return inputs.shape[0]
 
     assert count(Q[:, 1:].T) == b
-    as_read = lambda x, missing, live, zero_rtol: x  # noqa: E731
+    as_read = lambda x, *_: x  # noqa: E731
     with pytest.MonkeyPatch.context() as patched:
         patched.setattr(column_inputs, "_without_trace", as_read)
         assert count(Q[:, 1:].T) < b - 1
     # two columns missing: the trace is not taken out, and what is offered is still exact
     assert count(Q[:, 2:].T) < b - 2
+    # past the deadline the rows keep their trace (the time budget is a promise)
+    from spear.core.deadline import Deadline
+
+    R = _faint_batch()[1]
+    x = torch.linalg.pinv(Q[:, 1:]) @ R
+    missing, live = column_inputs._missing_input(Q[:, 1:].T, R), torch.ones(R.shape[1], dtype=torch.bool)
+    assert torch.equal(column_inputs._without_trace(x, missing, live, 1e-4, Deadline(0.0)), x)
+    assert not torch.equal(column_inputs._without_trace(x, missing, live, 1e-4), x)
 
 
 def test_a_faint_columns_inactive_entries_count_as_zero_within_its_rounding_up_to_rtol():

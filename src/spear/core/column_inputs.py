@@ -22,6 +22,16 @@ b = 64, seed 4): the pool never held 64 independent columns, and nothing was cer
 1.4e-4 of the largest feature). The kernel tests must be judged in orthonormal bases for
 that (:class:`~spear.core.input_peeling.OrthonormalFactor`).
 
+With b - 1 independent columns found, the trace need not be faint: it is one sample's. The
+missing sample's dual is orthogonal to every found direction (``Q^-1 Q = I``), so it spans
+the complement of their span and gives that sample's input (up to scale); and each row of
+the pseudo-inverse, whose dual is fixed up to that one, reads its sample's input plus a
+multiple ``c`` of the missing input. On every feature the sample lacks and the missing one
+has, the row reads ``c`` times the missing input: of the ratios row / missing, ``c`` is the
+one that leaves the row the most zeros. Found on Fashion-MNIST's float32 CNN head trained 200
+steps (b = 64, seed 0): 63 of 64 columns found, the missing one faint (3.5e-4 of the
+largest) but its trace 5e-4 to 8e-3 of the inputs, which hid the zeros of 16 strong samples.
+
 Only server-side quantities are used: the found directions, L and R (from dL/dW), and the
 peeled samples.
 """
@@ -128,7 +138,7 @@ def _without_trace(
 ) -> torch.Tensor:
     """The estimated inputs x (k, n) with the missing sample's trace taken out: each row is the
     sample's input plus ``c`` times ``missing`` (its dual is known up to the missing dual), and
-    ``c`` is the one that gives the row the most zeros among the ``live`` features (module doc).
+    ``c`` is the one that leaves the row the most zeros among the ``live`` features (module doc).
     On every feature the sample lacks and the missing one has, the row reads ``c`` times the
     missing input, so the candidates are the ratios ``x_f / missing_f`` on the missing input's
     features of at least ``TRACE_SUPPORT`` of its largest (at most ``TRACE_CANDIDATES`` of
@@ -142,15 +152,15 @@ def _without_trace(
     count = min(TRACE_CANDIDATES, support.numel(), max(1, TRACE_CHUNK // x.shape[1] - 1))
     spread = torch.linspace(0, support.numel() - 1, count)
     features = support[spread.round().long().to(support.device)]
-    tried = torch.cat([x.new_zeros(x.shape[0], 1), x[:, features] / missing[features]], dim=1)
+    multiples = torch.cat([x.new_zeros(x.shape[0], 1), x[:, features] / missing[features]], dim=1)
     best = torch.zeros(x.shape[0], dtype=x.dtype, device=x.device)
-    rows_per_chunk = max(1, TRACE_CHUNK // (tried.shape[1] * x.shape[1]))
+    rows_per_chunk = max(1, TRACE_CHUNK // (multiples.shape[1] * x.shape[1]))
     for part in torch.arange(x.shape[0], device=x.device).split(rows_per_chunk):
         if deadline.passed():
             break
-        trial = x[part, None, :] - tried[part, :, None] * missing  # (p, c, n)
+        trial = x[part, None, :] - multiples[part, :, None] * missing  # (p, c, n)
         counts = (zero_mask(trial.flatten(0, 1), zero_rtol) & live).sum(dim=1).view(trial.shape[:2])
-        best[part] = tried[part].gather(1, counts.argmax(dim=1, keepdim=True))[:, 0]
+        best[part] = multiples[part].gather(1, counts.argmax(dim=1, keepdim=True))[:, 0]
     return x - best[:, None] * missing
 
 

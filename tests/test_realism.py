@@ -462,6 +462,21 @@ def test_float32_cnn_head_b64_counts_faint_inputs_whose_columns_vanish_to_their_
     assert certified((reconstruct_module._Attack, "_trusted", untrusted)) + 2 <= full
 
 
+def test_float32_cnn_head_b64_takes_out_the_traces_of_two_to_four_missing_columns(mnist, monkeypatch):
+    """Seed 0, b = 64, 2,000 proposals: the pool's independent columns stop 2 to 4 short of 64,
+    and the inputs read off them carry the missing samples' traces, which hide their zeros.
+    Each row is its sample's input plus a combination of the missing inputs (their span is
+    the complement of the found directions, read through R), and any d of the sample's zeros
+    fix that combination (column_inputs._without_traces): many more samples certify, each
+    exact (the helper checks every one)."""
+    import spear.core.column_inputs as column_inputs_module
+
+    certified = _cnn_head_b64_certified(mnist, monkeypatch, seed=0)
+    full = certified()
+    as_read = certified((column_inputs_module, "_without_traces", lambda x, *_: x))
+    assert full >= as_read + 8  # measured: 58 against 43
+
+
 def unwhitened_kernel(self, rows, rtol, todo=None):
     """The input-side kernel tests as they were: in the factor's own coordinates."""
     return input_peeling_module._kernel(self.basis @ self.triangle, rows, rtol, todo)

@@ -1007,9 +1007,8 @@ class _Attack:
     def _trusted(self, directions: torch.Tensor) -> torch.Tensor:
         """(k,) whether the layer's pin of each column (directions k x b) counts: every column
         of a resolvable batch; of one that is not, the columns whose zero sets can be read on
-        their own (:meth:`AttackSetup.trusted_columns`), as the verdict reads a selection's."""
-        if self.resolvable:
-            return torch.ones(directions.shape[0], dtype=torch.bool, device=directions.device)
+        their own (:meth:`AttackSetup.trusted_columns`, which decides both), as the verdict
+        reads a selection's."""
         return self.setup.trusted_columns(directions).to(directions.device)
 
     def _single(self, weights: torch.Tensor, ok: torch.Tensor, sample_rtol: torch.Tensor) -> torch.Tensor:

@@ -519,3 +519,63 @@ def test_a_faint_columns_inactive_entries_count_as_zero_within_its_rounding_up_t
     assert InputSidePeeler._within_rounding(judge, column, q, inactive).tolist() == [False, False, False]
     judge.rounding, judge.rtol = None, 1e-3
     assert not InputSidePeeler._within_rounding(judge, column, q, inactive).any()
+
+
+def _relu_layer_batch(small=None, m=80, n=60, b=8, seed=0):
+    """A ReLU layer's exact gradient (float64) for nonnegative sparse inputs X (b, n), in input
+    mode, with sample 0's input given one entry of ``small`` times its max (below float32's
+    zero band) where set. Returns the problem, the true coefficients (b, b; rows r_j with
+    ``x_j = r_j R``) and X."""
+    g = torch.Generator().manual_seed(seed)
+    X = torch.rand(b, n, generator=g, dtype=torch.float64)
+    X[torch.rand(b, n, generator=g) < 0.5] = 0.0
+    if small is not None:
+        X[0, int((X[0] == 0).nonzero()[0])] = small * float(X[0].max())
+    W = torch.randn(m, n, generator=g, dtype=torch.float64) / n**0.5
+    bias = torch.randn(m, generator=g, dtype=torch.float64) * 0.1
+    C = torch.randn(m, b, generator=g, dtype=torch.float64) * ((X @ W.T + bias) > 0).T
+    split = low_rank_split(C @ X, batch_size=b)
+    problem = LayerProblem(W, bias, C.sum(dim=1), split.L, split.R, "input")
+    coefficients = torch.linalg.lstsq(split.R.T, X.T).solution.T
+    return problem, coefficients, X
+
+
+def _completed_input(problem, direction, snap=True):
+    """The input the float32-tolerance peeler completes from one direction (b,), or None."""
+    f32 = Tolerances.for_dtype(torch.float32)
+    peeler = InputSidePeeler(problem, f32.verify_rtol, f32.z_rtol, f32.zero_rtol)
+    with pytest.MonkeyPatch.context() as patched:
+        if not snap:
+            patched.setattr(InputSidePeeler, "_snapped", lambda self, done, *_: done)
+        outcome = peeler.peel((direction / direction.norm())[None], None)
+    return outcome.samples.inputs[0] if bool(outcome.consistent[0]) else None
+
+
+def test_an_input_carrying_a_trace_inside_its_zero_band_is_replaced_by_the_one_its_zeros_pin():
+    # InputSidePeeler._snapped: a candidate x_0 + t x_3 whose trace stays below float32's zero
+    # band (5e-5 of its max) is pinned by x_0's zeros and used to be kept as read; the kernel of
+    # R^T on those zeros is x_0 itself, exactly (measured on a float32 CNN head: candidates up
+    # to 1.8e-3 off, one of them certified)
+    problem, r, X = _relu_layer_batch()
+    t = 5e-5 * float(X[0].max()) / float(X[3].max())
+    traced = r[0] + t * r[3]
+    as_read = _completed_input(problem, traced, snap=False)
+    assert as_read is not None and float((as_read - X[0]).abs().max()) > 1e-5 * float(X[0].max())
+    snapped = _completed_input(problem, traced)
+    assert snapped is not None
+    assert float((snapped - X[0]).abs().max()) < 1e-12 * float(X[0].max())
+
+
+def test_an_exact_input_whose_zeros_hold_a_small_true_value_is_kept_as_read():
+    # the zero band also reads a small true value (3e-5 of the max) as zero; no vector of the
+    # row space vanishes there, its kernel vector shrinks the candidate's values on those zeros
+    # far less than TRACE_SHRINK, and the exact candidate stays. Snapping it anyway moves it
+    import spear.core.input_peeling as input_peeling_module
+
+    problem, r, X = _relu_layer_batch(small=3e-5)
+    exact = _completed_input(problem, r[0])
+    assert exact is not None and float((exact - X[0]).abs().max()) < 1e-12 * float(X[0].max())
+    with pytest.MonkeyPatch.context() as patched:
+        patched.setattr(input_peeling_module, "TRACE_SHRINK", float("inf"))
+        forced = _completed_input(problem, r[0])
+    assert forced is not None and float((forced - X[0]).abs().max()) > 1e-7 * float(X[0].max())

@@ -521,16 +521,21 @@ def test_a_faint_columns_inactive_entries_count_as_zero_within_its_rounding_up_t
     assert not InputSidePeeler._within_rounding(judge, column, q, inactive).any()
 
 
-def _relu_layer_batch(small=None, m=80, n=60, b=8, seed=0):
+def _relu_layer_batch(small=None, shadow=None, m=80, n=60, b=8, seed=0):
     """A ReLU layer's exact gradient (float64) for nonnegative sparse inputs X (b, n), in input
     mode, with sample 0's input given one entry of ``small`` times its max (below float32's
-    zero band) where set. Returns the problem, the true coefficients (b, b; rows r_j with
-    ``x_j = r_j R``) and X."""
+    zero band) where set; with ``shadow = (c, delta)`` sample 1's input is zero on sample 0's
+    zeros but for that entry (c of its max) and one more (delta). Returns the problem, the
+    true coefficients (b, b; rows r_j with ``x_j = r_j R``) and X."""
     g = torch.Generator().manual_seed(seed)
     X = torch.rand(b, n, generator=g, dtype=torch.float64)
     X[torch.rand(b, n, generator=g) < 0.5] = 0.0
+    zeros = (X[0] == 0).nonzero()[:, 0]
+    if shadow is not None:
+        X[1, zeros] = 0.0
+        X[1, zeros[:2]] = torch.tensor(shadow, dtype=X.dtype) * float(X[1].max())
     if small is not None:
-        X[0, int((X[0] == 0).nonzero()[0])] = small * float(X[0].max())
+        X[0, int(zeros[0])] = small * float(X[0].max())
     W = torch.randn(m, n, generator=g, dtype=torch.float64) / n**0.5
     bias = torch.randn(m, generator=g, dtype=torch.float64) * 0.1
     C = torch.randn(m, b, generator=g, dtype=torch.float64) * ((X @ W.T + bias) > 0).T
@@ -540,14 +545,17 @@ def _relu_layer_batch(small=None, m=80, n=60, b=8, seed=0):
     return problem, coefficients, X
 
 
-def _completed_input(problem, direction, snap=True):
-    """The input the float32-tolerance peeler completes from one direction (b,), or None."""
+def _completed_input(problem, direction, snap=True, as_read=False):
+    """The input a float32-tolerance peeler (snapping or not) completes from one direction
+    (b,), or None; with ``as_read``, the outcome's input as read instead (None where not
+    snapped)."""
     f32 = Tolerances.for_dtype(torch.float32)
-    peeler = InputSidePeeler(problem, f32.verify_rtol, f32.z_rtol, f32.zero_rtol)
-    with pytest.MonkeyPatch.context() as patched:
-        if not snap:
-            patched.setattr(InputSidePeeler, "_snapped", lambda self, done, *_: done)
-        outcome = peeler.peel((direction / direction.norm())[None], None)
+    peeler = InputSidePeeler(problem, f32.verify_rtol, f32.z_rtol, f32.zero_rtol, snap=snap)
+    outcome = peeler.peel((direction / direction.norm())[None], None)
+    if as_read:
+        outcome = outcome.as_read
+        if outcome is None:
+            return None
     return outcome.samples.inputs[0] if bool(outcome.consistent[0]) else None
 
 
@@ -560,6 +568,7 @@ def test_an_input_carrying_a_trace_inside_its_zero_band_is_replaced_by_the_one_i
     t = 5e-5 * float(X[0].max()) / float(X[3].max())
     traced = r[0] + t * r[3]
     as_read = _completed_input(problem, traced, snap=False)
+    assert torch.equal(as_read, _completed_input(problem, traced, as_read=True))
     assert as_read is not None and float((as_read - X[0]).abs().max()) > 1e-5 * float(X[0].max())
     snapped = _completed_input(problem, traced)
     assert snapped is not None
@@ -579,3 +588,20 @@ def test_an_exact_input_whose_zeros_hold_a_small_true_value_is_kept_as_read():
         patched.setattr(input_peeling_module, "TRACE_SHRINK", float("inf"))
         forced = _completed_input(problem, r[0])
     assert forced is not None and float((forced - X[0]).abs().max()) > 1e-7 * float(X[0].max())
+
+
+def test_a_snap_the_zero_band_cannot_tell_from_a_trace_keeps_the_input_as_read_beside_it():
+    # the review's case: sample 0 holds a small true value (5e-5 of its max) on one of its read
+    # zeros, and sample 1 vanishes on sample 0's zeros but there (5e-2) and on one more (3e-3).
+    # The kernel of R^T on those zeros is then x_0 - 1e-3 x_1, which vanishes there far better
+    # than the exact x_0: snapped, the sample is 1e-3 off, and it passes steps 1-3. The zero band
+    # cannot tell this from a trace removed; the outcome keeps the input as read beside it, and
+    # the singleton cascade certifies that one where the model refuses the snapped one
+    # (_Attack._as_read_where_refused)
+    problem, r, X = _relu_layer_batch(small=5e-5, shadow=(5e-2, 3e-3))
+    snapped = _completed_input(problem, r[0])
+    assert snapped is not None and float((snapped - X[0]).abs().max()) > 1e-4 * float(X[0].max())
+    as_read = _completed_input(problem, r[0], as_read=True)
+    assert as_read is not None and float((as_read - X[0]).abs().max()) < 1e-12 * float(X[0].max())
+    unsnapping = _completed_input(problem, r[0], snap=False)
+    assert torch.equal(unsnapping, as_read)

@@ -76,9 +76,45 @@ MODEL_COLUMN_RTOL = 1e-6
 TRACE_SHRINK = 0.1
 #: inputs (k, n) -> the model's columns (k, C, m) under each label, at unit loss weight
 ColumnModel = Callable[[torch.Tensor], torch.Tensor]
-#: :meth:`InputSidePeeler._complete`'s result: consistent (k,), robust (k,), r (k, b), u (k, b)
-#: and the directions p (k, b) completed
-Completed = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
+
+
+@dataclass
+class Completion:
+    """:meth:`InputSidePeeler._complete`'s result for k directions: which are consistent and
+    robust (k,), their coefficients r and duals u (k, b), the directions p completed (k, b),
+    and where the input's own zeros were read (pin_inputs), those zeros (k, n) and the kernel
+    of ``R^T`` on them (k, b)."""
+
+    ok: torch.Tensor
+    robust: torch.Tensor
+    r: torch.Tensor
+    u: torch.Tensor
+    p: torch.Tensor
+    zeros: torch.Tensor | None = None
+    kernel: torch.Tensor | None = None
+
+
+class _Completions:
+    """Completions of k directions (given, (k, b)), filled chunk by chunk."""
+
+    def __init__(self, k: int, b: int, L: torch.Tensor, given: torch.Tensor) -> None:
+        self.checks = PeelChecks.empty(k, b, L)
+        self.duals = torch.zeros(k, b, dtype=L.dtype, device=L.device)
+        self.directions = given.clone()
+
+    def record(self, part: torch.Tensor, done: Completion) -> None:
+        self.checks.record(part, done.ok, done.robust, done.r, torch.zeros_like(done.ok))  # refutes nothing
+        self.duals[part], self.directions[part] = done.u, done.p
+
+    def outcome(self, R: torch.Tensor) -> PeelOutcome:
+        consistent, coefficients = self.checks.consistent, self.checks.coefficients
+        samples = PeeledSamples(
+            directions=self.directions[consistent],
+            coefficients=coefficients[consistent],
+            inputs=coefficients[consistent] @ R,
+            duals=self.duals[consistent],
+        )
+        return PeelOutcome(consistent, self.checks.robust, samples)
 
 
 class InputSidePeeler:
@@ -98,6 +134,8 @@ class InputSidePeeler:
             discriminative model certificate counts it.
         predict_columns: the model's columns under each label for inputs in this layer's
             coordinates (module doc: near duplicates); None: none are taken from the model.
+        rounding: the rounding map of L's columns (see :meth:`_within_rounding`).
+        snap: see :meth:`_snapped`.
     """
 
     #: the layer alone cannot certify these samples (see the module doc)
@@ -112,6 +150,7 @@ class InputSidePeeler:
         pin_inputs: bool = True,
         predict_columns: ColumnModel | None = None,
         rounding: torch.Tensor | None = None,
+        snap: bool = False,
     ) -> None:
         if problem.mode != "input":
             raise ValueError("InputSidePeeler needs a problem in input-sparsity mode")
@@ -125,6 +164,10 @@ class InputSidePeeler:
         #: (:attr:`~spear.core.reconstruct.AttackSetup.measured_rounding`; None where the batch is
         #: resolvable): a faint column's zeros read up to its floor
         self.rounding = rounding
+        #: replace a pinned input carrying a trace by its zeros' kernel vector (:meth:`_snapped`);
+        #: the outcome then holds the inputs as read too, for the caller to fall back on where
+        #: the model does not certify the snapped one (the singleton cascade)
+        self.snap = snap
         self._columns: OrthonormalFactor | None = None  # built on first use (QR of L and of R^T)
         self._inputs: OrthonormalFactor | None = None
 
@@ -154,29 +197,27 @@ class InputSidePeeler:
         L, R = self.problem.L, self.problem.R
         k, b = directions.shape
         m = L.shape[0]
-        checks = PeelChecks.empty(k, b, L)
-        duals = torch.zeros(k, b, dtype=L.dtype, device=L.device)
-        used = directions.to(L.dtype).clone()  # the directions completed (snapped ones replaced)
+        given = directions.to(L.dtype)
+        final, read = _Completions(k, b, L, given), _Completions(k, b, L, given)
+        snapped = torch.zeros(k, dtype=torch.bool, device=L.device)
         if k and self.usable:
             rows = max(m, R.shape[1])
             for part in peel_chunks(torch.arange(k, device=L.device), rows, b):
                 if deadline.passed():
                     break
-                ok, firm, r, duals[part], used[part] = self._complete(used[part])
-                checks.record(part, ok, firm, r, torch.zeros_like(ok))  # refutes nothing
-        consistent, coefficients = checks.consistent, checks.coefficients
-        samples = PeeledSamples(
-            directions=used[consistent],
-            coefficients=coefficients[consistent],
-            inputs=coefficients[consistent] @ R,
-            duals=duals[consistent],
-        )
-        return PeelOutcome(consistent, checks.robust, samples)
+                done = self._complete(given[part])
+                read.record(part, done)
+                if self.snap and done.kernel is not None:
+                    done, snapped[part] = self._snapped(done)
+                final.record(part, done)
+        outcome = final.outcome(R)
+        if bool(snapped.any()):
+            outcome.snapped, outcome.as_read = snapped[outcome.consistent], read.outcome(R)
+        return outcome
 
-    def _complete(self, p: torch.Tensor, snap: bool = True) -> Completed:
-        """Steps 1-3 for directions p (k, b): consistent, robust, r (k, b), u (k, b) and the
-        directions completed (p). With ``snap``, an input that carries a trace within its own
-        zero band is replaced by the one its zeros pin (:meth:`_snapped`), and so is its p."""
+    def _complete(self, p: torch.Tensor) -> Completion:
+        """Steps 1-3 for directions p (k, b)."""
+
         problem, L = self.problem, self.problem.L
         b = L.shape[1]
         tiny = torch.finfo(L.dtype).tiny
@@ -214,20 +255,19 @@ class InputSidePeeler:
         ok = scaled & nonnegative & enough & one_dim & blurred & dual
         ok &= torch.isfinite(u).all(dim=1) & torch.isfinite(r).all(dim=1)
         if not self.pin_inputs:  # checked on the output side only: never robust
-            return ok, torch.zeros_like(ok), r, u, p
+            return Completion(ok, torch.zeros_like(ok), r, u, p)
         # the input's own zeros must pin p (a mixture of samples vanishes only where all do,
         # and there its kernel holds all of them)
         own_zeros = zero_mask(x, self.zero_rtol)
         pinned, firm_input, kernel, _ = self.input_basis.kernel(own_zeros, self.rtol, ok)
         ok &= pinned & (own_zeros.sum(dim=1) >= b - 1)
         robust = ok & firm & firm_input & quiet & pattern
-        done = (ok, robust, r, u, p)
-        return self._snapped(done, own_zeros, kernel) if snap else done
+        return Completion(ok, robust, r, u, p, own_zeros, kernel)
 
-    def _snapped(self, done: Completed, own_zeros: torch.Tensor, kernel: torch.Tensor) -> Completed:
-        """Completed samples (``done``, :meth:`_complete`'s) with each input that carries a
-        trace replaced by the vector its own zeros pin (``kernel``, (k, b), the kernel of
-        ``R^T`` on ``own_zeros``), completed afresh where that passes steps 1-3.
+    def _snapped(self, done: Completion) -> tuple[Completion, torch.Tensor]:
+        """The completed samples ``done`` with each input that carries a trace replaced by the
+        vector its own zeros pin (``done.kernel``, the kernel of ``R^T`` on ``done.zeros``),
+        completed afresh where that passes steps 1-3; and which were replaced (k,).
 
         A candidate is pinned when its zeros leave a one-dimensional kernel, but it is kept as
         read: a row of the gradient whose other samples were subtracted slightly off carries
@@ -238,19 +278,28 @@ class InputSidePeeler:
         read 8e-5 to 1e-4 of their max on their zeros, their kernel vectors 1e-9 and are
         within 1.2e-7; an input whose zeros include a small true value (truth: one zero fewer)
         can have no kernel vanishing there, and reads 0.3 to 1 of the candidate
-        (``TRACE_SHRINK``): there the candidate, exact, is kept."""
-        ok, r = done[0], done[2]
-        x, x_kernel = r @ self.problem.R, kernel @ self.problem.R
-        traced = ok & (_on_zeros(x_kernel, own_zeros) <= TRACE_SHRINK * _on_zeros(x, own_zeros))
+        (``TRACE_SHRINK``): there the candidate, exact, is kept.
+
+        The zero band cannot tell which of the two carries a trace: where another input
+        nearly vanishes on the sample's zeros and the sample holds a small true value there,
+        the kernel vector is the sample plus a trace of that input (found by a review, on a
+        synthetic float32 batch). So the caller certifies the snapped input, and falls back on
+        the one as read where the model does not (``PeelOutcome.as_read``)."""
+        assert done.zeros is not None and done.kernel is not None
+        x, x_kernel = done.r @ self.problem.R, done.kernel @ self.problem.R
+        traced = done.ok & (_on_zeros(x_kernel, done.zeros) <= TRACE_SHRINK * _on_zeros(x, done.zeros))
         index = traced.nonzero()[:, 0]
+        replaced = torch.zeros_like(done.ok)
         if not index.numel():
-            return done
-        sign = torch.sign((kernel[index] * done[4][index]).sum(dim=1, keepdim=True))
-        fresh = self._complete(kernel[index] * sign, snap=False)
-        take, passed = index[fresh[0]], fresh[0]
-        for mine, theirs in zip(done[1:], fresh[1:], strict=True):
-            mine[take] = theirs[passed]
-        return done
+            return done, replaced
+        sign = torch.sign((done.kernel[index] * done.p[index]).sum(dim=1, keepdim=True))
+        fresh = self._complete(done.kernel[index] * sign)
+        take, passed = index[fresh.ok], fresh.ok
+        out = Completion(done.ok, done.robust.clone(), done.r.clone(), done.u.clone(), done.p.clone())
+        out.robust[take], out.r[take] = fresh.robust[passed], fresh.r[passed]
+        out.u[take], out.p[take] = fresh.u[passed], fresh.p[passed]
+        replaced[take] = True
+        return out, replaced
 
     def _within_rounding(self, column: torch.Tensor, q: torch.Tensor, inactive: torch.Tensor) -> torch.Tensor:
         """(k,) whether each column (k, m; directions q (k, b)) vanishes on its inactive rows to

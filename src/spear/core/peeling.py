@@ -268,12 +268,18 @@ class PeelOutcome:
             one direction at most and the checks fail (a sample whose pattern another shares
             leaves two, and is merely not certified here), or None when the peeler does not
             tell.
+        snapped: (f,) bool over ``samples``: replaced by the kernel of their own zeros
+            (:meth:`spear.core.input_peeling.InputSidePeeler._snapped`), or None when none was.
+        as_read: the same directions completed as read (consistent for the same ones), for a
+            caller to fall back on where a snapped sample is not certified; None with ``snapped``.
     """
 
     consistent: torch.Tensor
     robust: torch.Tensor
     samples: PeeledSamples
     refuted: torch.Tensor | None = None
+    snapped: torch.Tensor | None = None
+    as_read: PeelOutcome | None = None
 
 
 class SamplePeeler:

@@ -72,6 +72,7 @@ from spear.core.input_peeling import ColumnModel, InputSidePeeler
 from spear.core.lowrank import LOW_PRECISION_EPS, LowRankSplit, equilibrated_split, low_rank_split
 from spear.core.peeling import (
     PeeledSamples,
+    PeelOutcome,
     Precisions,
     SamplePeeler,
     certified_in_order,
@@ -584,6 +585,7 @@ class _Attack:
                     pin,
                     predict_columns=columns,
                     rounding=setup.measured_rounding,
+                    snap=True,
                 )
                 for pin in (True, False)
             }
@@ -986,6 +988,7 @@ class _Attack:
             return None
         layer_ok = outcome.robust[outcome.consistent] & self._trusted(samples.duals)
         accept, fits = self._certify_and_fit(samples, layer_ok)
+        self._as_read_where_refused(outcome, accept, fits)
         found = as_output_samples(samples)
         certified = found.select(accept)
         certified = certified.select(self._consistent_with(subtracted, certified))
@@ -994,6 +997,23 @@ class _Attack:
             subtracted.extend(certified)
             held = held.select(self._consistent_with(subtracted, held))
         return (certified, held) if len(certified) or len(held) else None
+
+    def _as_read_where_refused(self, outcome: PeelOutcome, accept: torch.Tensor, fits: torch.Tensor) -> None:
+        """Where the model neither certifies nor fits a sample the peeler replaced by the kernel
+        of its own zeros (``outcome.snapped``), the sample as read takes its place in
+        ``outcome.samples`` and is certified in turn (``accept`` and ``fits`` updated in place):
+        the zero band cannot tell which of the two carries a trace
+        (:meth:`~spear.core.input_peeling.InputSidePeeler._snapped`), the model can."""
+        if outcome.snapped is None or outcome.as_read is None:
+            return
+        retry = (outcome.snapped.to(accept.device) & ~accept & ~fits).nonzero()[:, 0]
+        if not retry.numel():
+            return
+        samples, read = outcome.samples, outcome.as_read.samples.select(retry)
+        layer_ok = outcome.as_read.robust[outcome.as_read.consistent][retry] & self._trusted(read.duals)
+        accept[retry], fits[retry] = self._certify_and_fit(read, layer_ok)
+        for name in ("directions", "coefficients", "inputs", "duals", "labels", "weights", "strong"):
+            getattr(samples, name)[retry] = getattr(read, name)
 
     def _consistent_with(self, subtracted: PeeledSamples, new: PeeledSamples) -> torch.Tensor:
         """:func:`~spear.core.peeling.mutually_consistent` of the new samples with the subtracted

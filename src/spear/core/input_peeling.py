@@ -51,6 +51,7 @@ from dataclasses import dataclass
 
 import torch
 
+from spear.core.consistency import ZERO_FLOOR_FRACTION
 from spear.core.deadline import NEVER, Deadline
 from spear.core.filtering import rounding_floor, zero_mask
 from spear.core.linalg import masked_kernels
@@ -278,7 +279,9 @@ class InputSidePeeler:
         read 8e-5 to 1e-4 of their max on their zeros, their kernel vectors 1e-9 and are
         within 1.2e-7; an input whose zeros include a small true value (truth: one zero fewer)
         can have no kernel vanishing there, and reads 0.3 to 1 of the candidate
-        (``TRACE_SHRINK``): there the candidate, exact, is kept.
+        (``TRACE_SHRINK``): there the candidate, exact, is kept. A candidate certainly zero on
+        its zeros (within ``ZERO_FLOOR_FRACTION`` of the zero band: rounding) carries no trace
+        to take out, and is not solved again (float64 batches, whose candidates read 1e-16).
 
         The zero band cannot tell which of the two carries a trace: where another input
         nearly vanishes on the sample's zeros and the sample holds a small true value there,
@@ -287,7 +290,9 @@ class InputSidePeeler:
         the one as read where the model does not (``PeelOutcome.as_read``)."""
         assert done.zeros is not None and done.kernel is not None
         x, x_kernel = done.r @ self.problem.R, done.kernel @ self.problem.R
-        traced = done.ok & (_on_zeros(x_kernel, done.zeros) <= TRACE_SHRINK * _on_zeros(x, done.zeros))
+        on_zeros = _on_zeros(x, done.zeros)
+        traced = done.ok & (on_zeros > ZERO_FLOOR_FRACTION * self.zero_rtol)  # else certainly zero there
+        traced &= _on_zeros(x_kernel, done.zeros) <= TRACE_SHRINK * on_zeros
         index = traced.nonzero()[:, 0]
         replaced = torch.zeros_like(done.ok)
         if not index.numel():

@@ -72,8 +72,9 @@ SHARED_KERNEL = 2
 #: others were within 3e-5)
 MODEL_COLUMN_RTOL = 1e-6
 #: a pinned input is replaced by its zeros' kernel vector (:meth:`InputSidePeeler._snapped`) when
-#: that vector's largest value on those zeros is at most this fraction of the input's (measured:
-#: traced candidates 8e-3 and below, exact ones whose zeros hold a small true value 0.3 and above)
+#: that vector's largest value on those zeros is at most this fraction of the input's (measured
+#: on one float32 CNN head: traced candidates 8e-3 and below, exact ones whose zeros hold a small
+#: true value 0.3 and above)
 TRACE_SHRINK = 0.1
 #: inputs (k, n) -> the model's columns (k, C, m) under each label, at unit loss weight
 ColumnModel = Callable[[torch.Tensor], torch.Tensor]
@@ -218,7 +219,6 @@ class InputSidePeeler:
 
     def _complete(self, p: torch.Tensor) -> Completion:
         """Steps 1-3 for directions p (k, b)."""
-
         problem, L = self.problem, self.problem.L
         b = L.shape[1]
         tiny = torch.finfo(L.dtype).tiny
@@ -275,10 +275,10 @@ class InputSidePeeler:
         ``c x_k`` of another input, and where ``x_k`` is small on the sample's zeros the trace
         stays inside the zero band. The kernel vector is then the sample itself: it vanishes
         there to rounding, where the candidate reads the trace. Measured (MNIST CNN head, f32,
-        trained 200 steps, b = 64, seed 4): candidates 1.3e-4 to 1.8e-3 off (one certified)
-        read 8e-5 to 1e-4 of their max on their zeros, their kernel vectors 1e-9 and are
-        within 1.2e-7; an input whose zeros include a small true value (truth: one zero fewer)
-        can have no kernel vanishing there, and reads 0.3 to 1 of the candidate
+        trained 200 steps on one thread, b = 64, seed 4): certified candidates 1.2e-5 to 1.8e-3 off
+        read 1.4e-5 to 1e-4 of their max on their zeros, their kernel vectors 1e-10
+        to 2.4e-7, within 2e-5 of the truth; an input whose zeros include a small true value
+        (truth: one zero fewer) has no kernel vanishing there, and reads 0.3 to 1 of the candidate
         (``TRACE_SHRINK``): there the candidate, exact, is kept. A candidate certainly zero on
         its zeros (within ``ZERO_FLOOR_FRACTION`` of the zero band: rounding) carries no trace
         to take out, and is not solved again (float64 batches, whose candidates read 1e-16).

@@ -605,3 +605,38 @@ def test_a_snap_the_zero_band_cannot_tell_from_a_trace_keeps_the_input_as_read_b
     assert as_read is not None and float((as_read - X[0]).abs().max()) < 1e-12 * float(X[0].max())
     unsnapping = _completed_input(problem, r[0], snap=False)
     assert torch.equal(unsnapping, as_read)
+
+
+def test_the_cascade_certifies_the_input_as_read_where_the_model_refuses_the_snapped_one():
+    # _Attack._as_read_where_refused on the review's case: a model (here a stand-in that
+    # certifies only the true input) refuses the snapped sample, and the one as read takes its
+    # place, certified; a snapped sample the model certifies stays
+    from types import SimpleNamespace
+
+    from spear.core.reconstruct import _Attack
+
+    problem, r, X = _relu_layer_batch(small=5e-5, shadow=(5e-2, 3e-3))
+    f32 = Tolerances.for_dtype(torch.float32)
+    peeler = InputSidePeeler(problem, f32.verify_rtol, f32.z_rtol, f32.zero_rtol, snap=True)
+    outcome = peeler.peel((r[0] / r[0].norm())[None], None)
+    assert outcome.snapped is not None and bool(outcome.snapped[0])
+
+    def certify_true(samples, layer_ok):
+        ok = (samples.inputs - X[0]).abs().amax(dim=1) < 1e-9 * float(X[0].max())
+        samples.labels = torch.where(ok, 3, -1)
+        return ok, ok
+
+    attack = SimpleNamespace(
+        _certify_and_fit=certify_true, _trusted=lambda duals: torch.ones(duals.shape[0], dtype=torch.bool)
+    )
+    accept, fits = certify_true(outcome.samples, None)
+    assert not bool(accept[0])
+    _Attack._as_read_where_refused(attack, outcome, accept, fits)
+    assert bool(accept[0]) and int(outcome.samples.labels[0]) == 3
+    assert float((outcome.samples.inputs[0] - X[0]).abs().max()) < 1e-12 * float(X[0].max())
+    # certified as snapped: nothing to fall back on
+    snapped = peeler.peel((r[0] / r[0].norm())[None], None)
+    kept = snapped.samples.inputs.clone()
+    yes = torch.ones(1, dtype=torch.bool)
+    _Attack._as_read_where_refused(attack, snapped, yes, yes.clone())
+    assert torch.equal(snapped.samples.inputs, kept)

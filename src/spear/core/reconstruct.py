@@ -87,6 +87,7 @@ from spear.core.proposers import (
     ProposalContext,
     RandomSubmatrixSampler,
 )
+from spear.core.released import inconsistent_columns, released_kernels
 from spear.core.result import AttackOptions, AttackStats, ProgressEvent, Reconstruction
 from spear.core.scale import LayerProblem
 from spear.core.search import ResidualSearch, lift
@@ -135,6 +136,9 @@ STALL_CALLS = 20
 #: similar sample's zero set holds all but one of theirs) are few and among the sparsest. The
 #: rest stay in the pool for the selection, whose certificate judges every column.
 NONROBUST_PEEL_PER_STEP = 32
+#: columns whose zero sets are inconsistent tried at most by the repair of a batch the precision
+#: audit refused (released zeros, :mod:`spear.core.released`), most inconsistent first
+MOST_RELEASED_SAMPLES = 4
 
 
 def worth_peeling(snapped: SnapResult) -> torch.Tensor:
@@ -626,6 +630,8 @@ class _Attack:
         self.swept = SweptSelection()  # where the last selection's swaps ended
         self.silent_tried: set[tuple[int, int, bool]] = set()  # see _explain_silent
         self.certified_judged = False  # the batch of b samples certified one by one was judged
+        #: selections (pool indices) whose refused batch released zeros were tried on (:meth:`_released`)
+        self.released_tried: set[tuple[int, ...]] = set()
         self.columns_tried: set[bytes] = set()  # zero sets of the found columns' inputs tried
         #: a candidate's fit showed that the known layer above alone takes this layer's output
         self.layer_above_holds = False
@@ -1090,7 +1096,10 @@ class _Attack:
             pinned = pool.robust[chosen] & ~pool.refuted[chosen]
             selection, polished = self._polish(selection)
             pinned &= polished.keeps_pin.to(pinned.device)
-            verdict = self._judge(selection, pool.certified[chosen], pinned, polished.solved)
+            certified = pool.certified[chosen]
+            verdict = self._judge(selection, certified, pinned, polished.solved)
+            if verdict is not None and (released := self._released(selection, verdict, certified, pinned)):
+                selection, verdict = released
             if verdict is not None and verdict.reject:
                 pool.reject([selection.indices[i] for i in verdict.reject])
                 self.best, self.verdict = None, None
@@ -1224,7 +1233,7 @@ class _Attack:
         data_precision = s.sample_precision(selection.Qbar)
         # judged as any selection of its mode (_judge): input mode polishes nothing, so nothing
         # is audited there, and loss weights are read at the data's precision
-        audit, weights_at = (None, data_precision) if input_side else (data_precision, None)
+        audit, weights_at = (data_precision, data_precision) if input_side else (data_precision, None)
         verdict = judge(
             selection,
             s.problem.sparse_factor,
@@ -1281,6 +1290,8 @@ class _Attack:
         pinned &= polished.keeps_pin.to(pinned.device)
         everyone = torch.ones(s.b, dtype=torch.bool, device=pinned.device)
         verdict = self._judge(selection, everyone, pinned, polished.solved)
+        if verdict is not None and (released := self._released(selection, verdict, everyone, pinned)):
+            selection, verdict = released
         if verdict is None or not verdict.verified:
             return False
         verdict.notes.append(JOINT_CERTIFIED_NOTE)
@@ -1298,7 +1309,7 @@ class _Attack:
         it afresh (:meth:`_certified_as_assembled`)."""
         s = self.setup
         none = Polished.unchanged(selection.Qbar)
-        if not selection.perfect or s.options.sparsity != "output" or s.split.noisy or s.rounding is not None:
+        if not selection.perfect or s.split.noisy or s.rounding is not None:
             return selection, none
         everywhere = s.tol.verify_rtol > TIGHTEST_SAMPLE_RTOL
         L, zero_rtol = s.problem.sparse_factor, s.tol.zero_rtol
@@ -1357,6 +1368,66 @@ class _Attack:
             precision=precision,
             explained=explained,
         )
+
+    def _released(
+        self, selection: Selection, verdict: Verdict, certified: torch.Tensor, pinned: torch.Tensor
+    ) -> tuple[Selection, Verdict] | None:
+        """Where the precision audit refused the batch, the first selection that verifies with
+        one of its columns solved again on its zero set less one row
+        (:func:`~spear.core.released.released_kernels`: a small true value of the sample's own
+        that its direction, solved to vanish there, cancelled with a trace of another sample);
+        the pool keeps its candidates. The audit names the sample whose *column* took the
+        trace, not the one whose input carries it (the input is the mixture), so the columns
+        tried are those whose zero sets are inconsistent
+        (:func:`~spear.core.released.inconsistent_columns`), at most ``MOST_RELEASED_SAMPLES``,
+        each with its released kernels, judged as any selection (polished, then audited);
+        None where none verifies."""
+        s = self.setup
+        if not verdict.audit_refused or s.deadline.passed() or selection.indices in self.released_tried:
+            return None
+        self.released_tried.add(selection.indices)  # a search that meets it again does not retry
+        L = s.problem.sparse_factor
+        for j in inconsistent_columns(L, selection.Qbar, s.tol.zero_rtol, MOST_RELEASED_SAMPLES).tolist():
+            kernels, _ = released_kernels(L, selection.Qbar[:, j], s.tol.zero_rtol, deadline=s.deadline)
+            for kernel in kernels:  # each signed as the column it replaces
+                tried = self._with_column(selection, j, kernel, certified, pinned)
+                if tried is not None and tried[1].verified:
+                    return tried
+        return None
+
+    def _with_column(
+        self,
+        selection: Selection,
+        j: int,
+        direction: torch.Tensor,
+        certified: torch.Tensor,
+        pinned: torch.Tensor,
+    ) -> tuple[Selection, Verdict] | None:
+        """``selection`` with its column ``j`` replaced by the released ``direction`` (b,),
+        judged as any selection; None where it is not perfect. The other columns are polished;
+        column j is not (its clearly zero rows may hold the released row again, where the
+        sample's small value lies near their bound, and give back the mixture), but it is
+        audited: it was solved on exactly the rows it claims as zero. Its pool index stays the
+        column's it replaces (the pool takes directions this close for one: a mixture 6e-4
+        of another sample off differs from it by less than the pool's duplicate angle)."""
+        s = self.setup
+        Qbar = selection.Qbar.clone()
+        Qbar[:, j] = direction.to(Qbar.dtype) * Qbar[:, j].norm()
+        changed, _, _ = s.scored(selection.indices, Qbar)
+        if changed is None or not changed.perfect:
+            return None
+        changed, polished = self._polish(changed)
+        if bool(polished.solved[j]):
+            Qbar = changed.Qbar.clone()
+            Qbar[:, j] = direction.to(Qbar.dtype) * Qbar[:, j].norm()
+            changed, _, _ = s.scored(selection.indices, Qbar)
+            if changed is None or not changed.perfect:
+                return None
+        solved, fresh = polished.solved.clone(), certified.clone()
+        kept = pinned & polished.keeps_pin.to(pinned.device)
+        solved[j], kept[j], fresh[j] = True, False, False  # its zero set as read pins the mixture
+        verdict = self._judge(changed, fresh, kept, solved)
+        return None if verdict is None else (changed, verdict)
 
     def _sample_rtol(self, directions: torch.Tensor) -> torch.Tensor:
         """(k,) the misfit tolerances of these directions' samples: the setup's per-sample ones
@@ -1794,6 +1865,9 @@ def _certified_samples(
             inputs, held, column = _as_assembled(setup, peeled, verdict, selection, inputs)
             held, column = held.cpu(), column.cpu()
             precision[held] = batch_precision[column[held]]
+            once = ~(held & _repeated(column))  # two peeled samples assembled into one column
+            inputs, precision = inputs[once.to(inputs.device)], precision[once]
+            labels, weights = labels[once.to(labels.device)], weights[once.to(weights.device)]
         if extra is not None and bool(extra.any()):  # a consistent batch's own certificates
             assert verdict.certificates is not None
             extra = extra.to(verdict.inputs.device)
@@ -1837,6 +1911,12 @@ def stands_for_several(weights: torch.Tensor) -> torch.Tensor:
     return known & (k >= 2) & ((ratio - k).abs() <= MULTIPLE_RTOL * k)
 
 
+def _repeated(column: torch.Tensor) -> torch.Tensor:
+    """(f,) which entries of ``column`` repeat an earlier one."""
+    earlier = column[:, None] == column[None, :]
+    return torch.tril(earlier, diagonal=-1).any(dim=1)
+
+
 def _as_assembled(
     setup: AttackSetup, peeled: PeeledSamples, verdict: Verdict, selection: Selection, inputs: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -1846,12 +1926,16 @@ def _as_assembled(
     nearest column of the batch (f,). Solved from all b directions at once, the batch's value
     is the one ``inputs`` reports, and it is the more precise: the cascade reads a sample off
     rows of the gradient (Fashion-MNIST b = 32 with two faint samples: 9.6e-12 off the truth,
-    the batch's 1.4e-13)."""
+    the batch's 1.4e-13). A verified batch replaces every peeled sample by its nearest column:
+    it is proven at the data's precision, where a sample peeled at the dtype's tolerance may be
+    a mixture the batch's audit refused (:mod:`spear.core.released`: a peeled float32 sample
+    1.6e-3 off, the batch's 7.5e-8)."""
     q = selection.Qbar.T / selection.Qbar.T.norm(dim=1, keepdim=True)
     best, column = (peeled.directions.to(q) @ q.T).abs().max(dim=1)  # (f,)
     assembled = verdict.inputs[column.to(verdict.inputs.device)].to(inputs)
     gap = (assembled - inputs).norm(dim=1)
     same = (best > 1.0 - 1e-9).to(gap.device) & (gap <= setup.tol.verify_rtol * inputs.norm(dim=1))
+    same |= verdict.verified
     return torch.where(same.unsqueeze(-1), assembled, inputs), same, column
 
 

@@ -281,6 +281,8 @@ class Verdict:
     #: the reduction the samples with tight loss weights fit where the whole batch's fits none
     #: (:func:`reduction_of_tight`): what :attr:`individual` reads one sample's weight off
     partial_reduction: BatchReduction | None = None
+    #: the samples the precision audit named when it refused the batch (:func:`audit_precision`)
+    audit_refused: list[int] = field(default_factory=list)
 
     @property
     def verified(self) -> bool:
@@ -525,9 +527,10 @@ def audit_precision(
     audited = (tight < loose).nonzero()[:, 0]
     if not audited.numel():
         return False
-    problem = _audit_problem(verdict, gate, audited, tight, explained, sample_rtol, clients)
-    if problem is None:
+    refusal = _audit_problem(verdict, gate, audited, tight, explained, sample_rtol, clients)
+    if refusal is None:
         return False
+    problem, verdict.audit_refused = refusal
     verdict.problems.append(problem)
     verdict.verified_by = None
     verdict.notes.clear()
@@ -542,8 +545,8 @@ def _audit_problem(
     explained: torch.Tensor,
     sample_rtol: torch.Tensor,
     clients: int,
-) -> str | None:
-    """Why the ``audited`` samples fail their ``tight`` tolerances (b,), or None."""
+) -> tuple[str, list[int]] | None:
+    """Why the ``audited`` samples fail their ``tight`` tolerances (b,), and which fail; or None."""
     cert = verdict.certificates
     assert cert is not None and gate.certifier is not None
     inputs, columns = verdict.inputs[audited], verdict.grad_outputs.T[audited]
@@ -553,22 +556,21 @@ def _audit_problem(
         fresh = gate.certifier(inputs, columns)
     relabelled = (fresh.labels.cpu() != cert.labels[audited].cpu()).nonzero()[:, 0]
     if relabelled.numel():
-        return (
-            f"sample(s) {audited[relabelled].tolist()} fit another label when certified afresh on "
-            "the batch as assembled"
-        )
+        named = audited[relabelled].tolist()
+        return f"sample(s) {named} fit another label when certified afresh on the batch as assembled", named
     misfit = fresh.misfit.to(tight)
     over = ~(misfit <= tight[audited])  # NaN proves nothing
     if bool(over.any()):
         worst = int(torch.where(over, (misfit / tight[audited]).nan_to_num(torch.inf), -1.0).argmax())
+        named = audited[over].tolist()
         return (
-            f"sample(s) {audited[over].tolist()} fit the model only to a misfit of up to "
+            f"sample(s) {named} fit the model only to a misfit of up to "
             f"{float(misfit[worst]):.1e}, more than {AUDIT_SLACK:g} times what the rounding of the "
             f"data and of the client's arithmetic explains ({float(explained[audited[worst]]):.1e}): "
             "a trace of another sample's column may be mixed in, which the dtype's tolerance cannot "
             "see (or the client computed in less than its gradient's precision: TF32, autocast; then "
             "attack with precision_audit=False)"
-        )
+        ), named
     weights = cert.weights.to(tight).clone()
     weights[audited] = fresh.weights.to(tight)
     precision = WEIGHT_PRECISION * tight
@@ -577,7 +579,7 @@ def _audit_problem(
         return (
             f"the loss weights of sample(s) {audited.tolist()} fit one sample's only at the dtype's "
             "tolerance, not to the precision the data give them: an input may be scaled by that much"
-        )
+        ), audited.tolist()
     return None
 
 

@@ -1,0 +1,31 @@
+"""Adversarial batches: constructions that put a known weakness of exact recovery under load.
+
+Each returns plain tensors (the true inputs), for a caller to build a client around; they are
+the review cases the project measures itself against (``benchmarks/bench_small_values.py``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def small_value_batch(
+    eps: float, c: float, delta: float, seed: int, features: int = 60, batch_size: int = 8
+) -> tuple[torch.Tensor, int, int]:
+    """Sparse non-negative inputs (batch_size, features; float64, half their entries zero)
+    where sample 0 holds ``eps`` of its largest at one of its zeros ``f`` (inside float32's zero
+    band for ``eps`` < 1e-4) and sample 1 vanishes on sample 0's zeros except ``f`` (``c`` of
+    its largest) and one more, ``g`` (``delta``); the inputs, ``f`` and ``g``. The mixture
+    ``x_0 - (eps / c) x_1`` reads the same zero set as ``x_0`` (:mod:`spear.core.released`)."""
+    torch.manual_seed(seed)
+    X = torch.rand(batch_size, features, dtype=torch.float64)
+    X[torch.rand(batch_size, features) < 0.5] = 0.0
+    zeros = (X[0] == 0).nonzero()[:, 0]
+    f, g = int(zeros[0]), int(zeros[1])
+    X[1, zeros] = 0.0
+    X[1, f], X[1, g] = c * X[1].max(), delta * X[1].max()
+    X[0, f] = eps * X[0].max()
+    return X, f, g
+
+
+__all__ = ["small_value_batch"]

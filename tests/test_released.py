@@ -7,7 +7,7 @@ import torch
 import spear
 from spear.core.reconstruct import _Attack
 from spear.core.released import inconsistent_columns, released_kernels
-from spear.experiments.stress import small_value_batch
+from spear.experiments.stress import make_confident, small_value_batch
 from tests.conftest import assert_exact
 
 ZERO_RTOL = 1e-4  # float32's zero band
@@ -63,14 +63,18 @@ def test_only_inconsistent_zero_sets_are_tried_most_inconsistent_first():
     assert inconsistent_columns(L, directions[:, 2:], ZERO_RTOL, most=4).numel() == 0
 
 
-def _review_client(seed):
+def _review_client(seed, delta=0.003, confident=None):
     """The adversarial review's case (issue #10): a float32 MLP Linear(60, 120) -> ReLU ->
     Linear(120, 10), attacked on its first layer with input sparsity, whose batch (b = 8) is
-    :func:`_small_value_batch` (eps 3e-5, c 5e-2, delta 3e-3)."""
-    X, _, _ = small_value_batch(3e-5, 0.05, 0.003, seed)
+    :func:`small_value_batch` (eps 3e-5, c 5e-2, ``delta``). ``confident``: a sample the model
+    is first trained on alone, until its loss is below 1e-3 (a faint column: p = 0.999)."""
+    X, _, _ = small_value_batch(3e-5, 0.05, delta, seed)
     X = X.to(torch.float32)
     model = torch.nn.Sequential(torch.nn.Linear(60, 120), torch.nn.ReLU(), torch.nn.Linear(120, 10))
-    loss = torch.nn.functional.cross_entropy(model(X), torch.arange(X.shape[0]) % 10)
+    labels = torch.arange(X.shape[0]) % 10
+    if confident is not None:
+        make_confident(model, X, labels, confident)
+    loss = torch.nn.functional.cross_entropy(model(X), labels)
     names = [name for name, _ in model.named_parameters()]
     grads = dict(zip(names, torch.autograd.grad(loss, list(model.parameters())), strict=True))
     return model, grads, X.double()
@@ -102,3 +106,55 @@ def test_the_reviews_mixture_is_refused_and_the_sample_released(seed, monkeypatc
     assert unaudited.verified
     with pytest.raises(AssertionError):  # the mixture: 5.5e-4 of the batch's largest entry off
         assert_exact(unaudited.inputs.double(), X, rtol=1e-4)
+
+
+def _worst(found, X):
+    """The worst found input's distance to its nearest true one, over the largest true entry."""
+    return float(torch.cdist(found.double(), X).amin(dim=1).max() / X.abs().max())
+
+
+@pytest.mark.parametrize("seed", [0, 3])
+def test_a_confident_sample_elsewhere_does_not_switch_the_audit_off(seed, monkeypatch):
+    """A second review: one confident sample (p = 0.999) anywhere in the batch makes it not
+    resolvable for its rounding, and such a batch was not polished, so not audited: the
+    mixture came back verified 1.3e-3 to 2.0e-3 off (seeds 0-3). In float32 the rounding floor
+    never widens the zero band, so polishing (and the audit) act there too: x_0 comes back
+    within 1e-6 of its norm, and the confident sample within its own (coarse) precision."""
+    model, grads, X = _review_client(seed, confident=7)
+    rec = _attack(model, grads)
+    assert rec.verified, rec.message
+    x_0 = torch.cdist(rec.inputs.double(), X[:1]).amin(dim=0)[0] / X[0].norm()
+    assert x_0 <= 1e-6
+    assert _worst(rec.inputs, X) <= 1e-3  # the confident sample: 1e-4 to 3.3e-4 of the largest
+
+    monkeypatch.setattr("spear.core.reconstruct.FLOOR_CAP", 1.0)  # the floor "widens": no polish
+    unpolished = _attack(model, grads)
+    assert unpolished.verified and _worst(unpolished.inputs, X) > 1e-3
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_a_refused_batch_certifies_no_sample_peeled_into_a_column_it_names(seed):
+    """With delta = 0, the mixture x_0 - 6e-4 x_1 vanishes on every zero of x_0: its zero set is
+    consistent, nothing can be released, and the audit rightly refuses the batch. The samples
+    peeled one by one at float32's tolerance used to stay certified, the mixture among them
+    (1.6e-3 off); a sample peeled into a column the audit names is no longer certified."""
+    model, grads, X = _review_client(seed, delta=0.0)
+    rec = _attack(model, grads)
+    assert not rec.verified and "30 times what the rounding" in rec.message
+    assert 0 < len(rec.certified_inputs) < X.shape[0]
+    assert _worst(rec.certified_inputs, X) <= 1e-6
+    assert _worst(rec.inputs, X) > 1e-3  # the batch as returned holds the mixture, unverified
+
+
+def test_two_released_batches_apart_are_not_one():
+    """Where two released candidates verify, they must be one batch to the audit's precision,
+    else neither is proven (:meth:`_Attack._released`)."""
+    from spear.core.reconstruct import _one_batch
+
+    X, f, _ = small_value_batch(3e-5, 0.05, 0.003, seed=0)
+    mixed = X.clone()
+    mixed[0] = X[0] - float(X[0, f] / X[1, f]) * X[1]  # the mixture: 6e-4 of x_1 in x_0
+    rtol = torch.full((X.shape[0],), 1e-5, dtype=torch.float64)
+    assert _one_batch([X, X + 1e-9 * X.abs().max()], rtol)
+    assert not _one_batch([X, mixed], rtol)
+    assert _one_batch([X, mixed], torch.full_like(rtol, 1e-2))  # float32's tolerance cannot tell

@@ -98,6 +98,7 @@ from spear.core.singletons import (
     singleton_candidates,
 )
 from spear.core.verdict import (
+    AUDIT_SLACK,
     TIGHTEST_SAMPLE_RTOL,
     WEIGHT_PRECISION,
     ModelGate,
@@ -1231,9 +1232,10 @@ class _Attack:
         selection = batch.selection
         everyone = torch.ones(s.b, dtype=torch.bool, device=selection.Qbar.device)
         data_precision = s.sample_precision(selection.Qbar)
-        # judged as any selection of its mode (_judge): input mode polishes nothing, so nothing
-        # is audited there, and loss weights are read at the data's precision
-        audit, weights_at = (data_precision, data_precision) if input_side else (data_precision, None)
+        # audited at the data's precision in both modes (input mode since its selections are
+        # polished too: a peeled mixture passes float32's tolerance, see spear.core.released);
+        # input mode reads loss weights at that precision, as _judge does
+        weights_at = data_precision if input_side else None
         verdict = judge(
             selection,
             s.problem.sparse_factor,
@@ -1247,7 +1249,7 @@ class _Attack:
             pinned=everyone,
             clients=s.options.clients,
             sample_rtol=self._sample_rtol(selection.Qbar.T),
-            precision=audit,
+            precision=data_precision,
             data_precision=weights_at,
         )
         if verdict.verified:
@@ -1309,7 +1311,8 @@ class _Attack:
         it afresh (:meth:`_certified_as_assembled`)."""
         s = self.setup
         none = Polished.unchanged(selection.Qbar)
-        if not selection.perfect or s.split.noisy or s.rounding is not None:
+        floor_widens = s.rounding is not None and s.tol.zero_rtol <= FLOOR_CAP
+        if not selection.perfect or s.split.noisy or floor_widens:
             return selection, none
         everywhere = s.tol.verify_rtol > TIGHTEST_SAMPLE_RTOL
         L, zero_rtol = s.problem.sparse_factor, s.tol.zero_rtol
@@ -1380,20 +1383,28 @@ class _Attack:
         trace, not the one whose input carries it (the input is the mixture), so the columns
         tried are those whose zero sets are inconsistent
         (:func:`~spear.core.released.inconsistent_columns`), at most ``MOST_RELEASED_SAMPLES``,
-        each with its released kernels, judged as any selection (polished, then audited);
-        None where none verifies."""
+        each with its released kernels, judged as any selection (polished, then audited).
+        Every candidate is judged: None where none verifies, or where two that verify are
+        different batches (the audit, loose for faint samples, let both through)."""
         s = self.setup
         if not verdict.audit_refused or s.deadline.passed() or selection.indices in self.released_tried:
             return None
         self.released_tried.add(selection.indices)  # a search that meets it again does not retry
         L = s.problem.sparse_factor
+        verified: list[tuple[Selection, Verdict]] = []
         for j in inconsistent_columns(L, selection.Qbar, s.tol.zero_rtol, MOST_RELEASED_SAMPLES).tolist():
             kernels, _ = released_kernels(L, selection.Qbar[:, j], s.tol.zero_rtol, deadline=s.deadline)
             for kernel in kernels:  # each signed as the column it replaces
                 tried = self._with_column(selection, j, kernel, certified, pinned)
                 if tried is not None and tried[1].verified:
-                    return tried
-        return None
+                    verified.append(tried)
+        if not verified:
+            return None
+        # as far apart as the audit checks them: the samples' rounding in the data, times its slack
+        apart = (AUDIT_SLACK * s.sample_precision(verified[0][0].Qbar)).clamp_min(TIGHTEST_SAMPLE_RTOL)
+        if not _one_batch([v.inputs for _, v in verified], apart):
+            return None  # two batches the data cannot tell apart: neither is proven
+        return verified[0]
 
     def _with_column(
         self,
@@ -1862,12 +1873,9 @@ def _certified_samples(
         assert verdict is not None and selection is not None
         batch_precision = setup.sample_precision(selection.Qbar)
         if len(peeled):
-            inputs, held, column = _as_assembled(setup, peeled, verdict, selection, inputs)
-            held, column = held.cpu(), column.cpu()
-            precision[held] = batch_precision[column[held]]
-            once = ~(held & _repeated(column))  # two peeled samples assembled into one column
-            inputs, precision = inputs[once.to(inputs.device)], precision[once]
-            labels, weights = labels[once.to(labels.device)], weights[once.to(weights.device)]
+            inputs, labels, weights, precision = _peeled_in_batch(
+                setup, peeled, verdict, selection, batch_precision
+            )
         if extra is not None and bool(extra.any()):  # a consistent batch's own certificates
             assert verdict.certificates is not None
             extra = extra.to(verdict.inputs.device)
@@ -1909,6 +1917,44 @@ def stands_for_several(weights: torch.Tensor) -> torch.Tensor:
     ratio = w / w[known].median()
     k = ratio.round()
     return known & (k >= 2) & ((ratio - k).abs() <= MULTIPLE_RTOL * k)
+
+
+def _peeled_in_batch(
+    setup: AttackSetup,
+    peeled: PeeledSamples,
+    verdict: Verdict,
+    selection: Selection,
+    batch_precision: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The peeled samples as the consistent batch of ``selection`` reports them
+    (:func:`_as_assembled`): inputs (f', n), labels, loss weights and precision (NaN for one
+    the batch does not hold). A verified batch's labels and weights replace the peeled ones with
+    its inputs; two peeled samples assembled into one column count once; and a sample peeled
+    into a column the precision audit refused (``Verdict.audit_refused``) is dropped: the audit
+    proves that column wrong at the data's precision, a mixture or the bearer of its trace (the
+    review's float32 batches, unverified, kept a peeled mixture 1.6e-3 off as certified)."""
+    inputs = setup.expand_inputs(peeled.inputs)
+    inputs, held, column = _as_assembled(setup, peeled, verdict, selection, inputs)
+    held, column = held.cpu(), column.cpu()
+    labels, weights = peeled.labels.clone(), peeled.weights.clone()
+    if verdict.verified and verdict.certificates is not None:
+        cert = verdict.certificates
+        labels[held.to(labels.device)] = cert.labels[column[held].to(cert.labels.device)].to(labels)
+        weights[held.to(weights.device)] = cert.weights[column[held].to(cert.weights.device)].to(weights)
+    precision = torch.full((len(peeled),), torch.nan, dtype=torch.float64)
+    precision[held] = batch_precision[column[held]]
+    refused = torch.tensor(verdict.audit_refused, dtype=torch.long)
+    once = ~(held & (_repeated(column) | torch.isin(column, refused)))
+    inputs, precision = inputs[once.to(inputs.device)], precision[once]
+    return inputs, labels[once.to(labels.device)], weights[once.to(weights.device)], precision
+
+
+def _one_batch(batches: list[torch.Tensor], rtol: torch.Tensor) -> bool:
+    """Whether these batches of inputs (each b x n, columns in one order) are one: every
+    sample within ``rtol`` (b,) of its counterpart in the first, relative to its norm."""
+    first = batches[0]
+    bound = rtol.to(first) * first.norm(dim=1)
+    return all(bool(((other.to(first) - first).norm(dim=1) <= bound).all()) for other in batches[1:])
 
 
 def _repeated(column: torch.Tensor) -> torch.Tensor:

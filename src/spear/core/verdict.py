@@ -560,9 +560,12 @@ def _audit_problem(
         return f"sample(s) {named} fit another label when certified afresh on the batch as assembled", named
     misfit = fresh.misfit.to(tight)
     over = ~(misfit <= tight[audited])  # NaN proves nothing
+    weights = cert.weights.to(tight).clone()
+    weights[audited] = fresh.weights.to(tight)
+    off = _weights_off(verdict.reduction, weights, WEIGHT_PRECISION * tight)[audited.to(tight.device)]
     if bool(over.any()):
         worst = int(torch.where(over, (misfit / tight[audited]).nan_to_num(torch.inf), -1.0).argmax())
-        named = audited[over].tolist()
+        named = audited[over | off.to(over.device)].tolist()
         return (
             f"sample(s) {named} fit the model only to a misfit of up to "
             f"{float(misfit[worst]):.1e}, more than {AUDIT_SLACK:g} times what the rounding of the "
@@ -571,16 +574,26 @@ def _audit_problem(
             "see (or the client computed in less than its gradient's precision: TF32, autocast; then "
             "attack with precision_audit=False)"
         ), named
-    weights = cert.weights.to(tight).clone()
-    weights[audited] = fresh.weights.to(tight)
     precision = WEIGHT_PRECISION * tight
     fit = infer_aggregate(weights, clients, precision) if clients > 1 else infer_reduction(weights, precision)
     if fit.reduction is None:
+        named = audited[off.to(audited.device)].tolist() if bool(off.any()) else audited.tolist()
         return (
-            f"the loss weights of sample(s) {audited.tolist()} fit one sample's only at the dtype's "
+            f"the loss weights of sample(s) {named} fit one sample's only at the dtype's "
             "tolerance, not to the precision the data give them: an input may be scaled by that much"
-        ), audited.tolist()
+        ), named
     return None
+
+
+def _weights_off(reduction: BatchReduction, weights: torch.Tensor, precision: torch.Tensor) -> torch.Tensor:
+    """(b,) the samples whose loss weight is off the one the batch's reduction (fitted at the
+    dtype's tolerance: a mean's ``k / B``, a sum's ``k``) gives it by more than ``precision``
+    (b,); none where the reduction does not say (an aggregate of several clients, or none)."""
+    k = reduction.multiplicities
+    if reduction.reduction not in ("mean", "sum") or k is None or reduction.client_sizes is not None:
+        return torch.zeros(weights.shape[0], dtype=torch.bool, device=precision.device)
+    expected = k.to(weights) / (reduction.batch_size if reduction.reduction == "mean" else 1)
+    return ((weights - expected).abs() > precision.to(weights) * expected).to(precision.device)
 
 
 def model_explains_silent(

@@ -1930,7 +1930,7 @@ def _peeled_in_batch(
     (:func:`_as_assembled`): inputs (f', n), labels, loss weights and precision (NaN for one
     the batch does not hold). A verified batch's labels and weights replace the peeled ones with
     its inputs; two peeled samples assembled into one column count once; and a sample peeled
-    into a column the precision audit refused (``Verdict.audit_refused``) is dropped: the audit
+    into a column the precision audit named (``Verdict.audit_named``) is dropped: the audit
     proves that column wrong at the data's precision, a mixture or the bearer of its trace (the
     review's float32 batches, unverified, kept a peeled mixture 1.6e-3 off as certified)."""
     inputs = setup.expand_inputs(peeled.inputs)
@@ -1943,7 +1943,7 @@ def _peeled_in_batch(
         weights[held.to(weights.device)] = cert.weights[column[held].to(cert.weights.device)].to(weights)
     precision = torch.full((len(peeled),), torch.nan, dtype=torch.float64)
     precision[held] = batch_precision[column[held]]
-    refused = torch.tensor(verdict.audit_refused, dtype=torch.long)
+    refused = torch.tensor(verdict.audit_named, dtype=torch.long)
     once = ~(held & (_repeated(column) | torch.isin(column, refused)))
     inputs, precision = inputs[once.to(inputs.device)], precision[once]
     return inputs, labels[once.to(labels.device)], weights[once.to(weights.device)], precision

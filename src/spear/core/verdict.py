@@ -281,8 +281,11 @@ class Verdict:
     #: the reduction the samples with tight loss weights fit where the whole batch's fits none
     #: (:func:`reduction_of_tight`): what :attr:`individual` reads one sample's weight off
     partial_reduction: BatchReduction | None = None
-    #: the samples the precision audit named when it refused the batch (:func:`audit_precision`)
-    audit_refused: list[int] = field(default_factory=list)
+    #: the precision audit refused the batch (:func:`audit_precision`) ...
+    audit_refused: bool = False
+    #: ... naming these samples: off by their own misfit, label or loss weight (empty where only
+    #: the weights jointly fit no reduction at the data's precision)
+    audit_named: list[int] = field(default_factory=list)
 
     @property
     def verified(self) -> bool:
@@ -530,7 +533,8 @@ def audit_precision(
     refusal = _audit_problem(verdict, gate, audited, tight, explained, sample_rtol, clients)
     if refusal is None:
         return False
-    problem, verdict.audit_refused = refusal
+    problem, verdict.audit_named = refusal
+    verdict.audit_refused = True
     verdict.problems.append(problem)
     verdict.verified_by = None
     verdict.notes.clear()
@@ -546,7 +550,8 @@ def _audit_problem(
     sample_rtol: torch.Tensor,
     clients: int,
 ) -> tuple[str, list[int]] | None:
-    """Why the ``audited`` samples fail their ``tight`` tolerances (b,), and which fail; or None."""
+    """Why the ``audited`` samples fail their ``tight`` tolerances (b,), and which fail on their
+    own (misfit, label or loss weight; none where only the weights jointly fail); or None."""
     cert = verdict.certificates
     assert cert is not None and gate.certifier is not None
     inputs, columns = verdict.inputs[audited], verdict.grad_outputs.T[audited]
@@ -577,10 +582,11 @@ def _audit_problem(
     precision = WEIGHT_PRECISION * tight
     fit = infer_aggregate(weights, clients, precision) if clients > 1 else infer_reduction(weights, precision)
     if fit.reduction is None:
-        named = audited[off.to(audited.device)].tolist() if bool(off.any()) else audited.tolist()
+        named = audited[off.to(audited.device)].tolist()
         return (
-            f"the loss weights of sample(s) {named} fit one sample's only at the dtype's "
-            "tolerance, not to the precision the data give them: an input may be scaled by that much"
+            f"the loss weights of sample(s) {named or audited.tolist()} fit one sample's only at the "
+            "dtype's tolerance, not to the precision the data give them: an input may be scaled by "
+            "that much"
         ), named
     return None
 

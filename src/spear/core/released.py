@@ -103,7 +103,9 @@ def _shrinking_rows(A: torch.Tensor, most: int) -> torch.Tensor:
     """Positions (at most ``most``, best first) of the rows of ``A`` (rows x b) without which
     its least singular value falls to ``RELEASE_SHRINK`` of its own or below: those of leverage
     at least ``1 - RELEASE_SHRINK**2`` in all b left singular vectors (deleting row r scales the
-    product of the squared singular values by ``1 - h_r``, and only the least one can fall)."""
+    product of the squared singular values by ``1 - h_r``: where the others stay, the least
+    falls by ``sqrt(1 - h_r)``; a row that carries a large singular value instead comes as an
+    extra candidate, which the judging refuses)."""
     U = torch.linalg.svd(A, full_matrices=False).U
     leverage = (U**2).sum(dim=1)
     shrinking = (leverage >= 1.0 - RELEASE_SHRINK**2).nonzero()[:, 0]

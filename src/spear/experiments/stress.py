@@ -1,7 +1,9 @@
-"""Adversarial batches: constructions that put a known weakness of exact recovery under load.
+"""Adversarial batches: constructions that put a known weakness of exact recovery under load,
+and the client conditions that go with them.
 
-Each returns plain tensors (the true inputs), for a caller to build a client around; they are
-the review cases the project measures itself against (``benchmarks/bench_small_values.py``).
+The batches are plain tensors (the true inputs) for a caller to build a client around; they
+are the review cases the project measures itself against (``benchmarks/bench_small_values.py``,
+``tests/test_released.py``).
 """
 
 from __future__ import annotations
@@ -16,7 +18,9 @@ def small_value_batch(
     where sample 0 holds ``eps`` of its largest at one of its zeros ``f`` (inside float32's zero
     band for ``eps`` < 1e-4) and sample 1 vanishes on sample 0's zeros except ``f`` (``c`` of
     its largest) and one more, ``g`` (``delta``); the inputs, ``f`` and ``g``. The mixture
-    ``x_0 - (eps / c) x_1`` reads the same zero set as ``x_0`` (:mod:`spear.core.released`)."""
+    ``x_0 - (eps / c) x_1`` reads the same zero set as ``x_0`` (:mod:`spear.core.released`).
+    Seeds torch's global generator with ``seed``, so that a model built right after it is
+    reproducible too."""
     torch.manual_seed(seed)
     X = torch.rand(batch_size, features, dtype=torch.float64)
     X[torch.rand(batch_size, features) < 0.5] = 0.0

@@ -63,6 +63,14 @@ def kernel_chunk(rows: int, b: int, elements: int) -> int:
     return max(1, min(elements // (rows * b), KERNEL_CHUNK_WORK // per_mask))
 
 
+def largest_on(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """(k,) the largest |value| of each row of ``values`` (k, rows) on its ``mask`` (k, rows),
+    relative to the row's largest |value| (0 on an empty mask)."""
+    magnitude = values.abs()
+    size = magnitude.amax(dim=-1).clamp_min(torch.finfo(values.dtype).tiny)
+    return torch.where(mask, magnitude, torch.zeros_like(magnitude)).amax(dim=-1) / size
+
+
 def zero_mask(
     values: torch.Tensor, zero_rtol: float, floor: torch.Tensor | None = None, cap: float = FLOOR_CAP
 ) -> torch.Tensor:

@@ -53,7 +53,7 @@ import torch
 
 from spear.core.consistency import ZERO_FLOOR_FRACTION
 from spear.core.deadline import NEVER, Deadline
-from spear.core.filtering import rounding_floor, zero_mask
+from spear.core.filtering import largest_on, rounding_floor, zero_mask
 from spear.core.linalg import masked_kernels
 from spear.core.peeling import PeelChecks, PeeledSamples, PeelOutcome, peel_chunks
 from spear.core.scale import LayerProblem
@@ -290,9 +290,9 @@ class InputSidePeeler:
         the one as read where the model does not (``PeelOutcome.as_read``)."""
         assert done.zeros is not None and done.kernel is not None
         x, x_kernel = done.r @ self.problem.R, done.kernel @ self.problem.R
-        on_zeros = _on_zeros(x, done.zeros)
+        on_zeros = largest_on(x, done.zeros)
         traced = done.ok & (on_zeros > ZERO_FLOOR_FRACTION * self.zero_rtol)  # else certainly zero there
-        traced &= _on_zeros(x_kernel, done.zeros) <= TRACE_SHRINK * on_zeros
+        traced &= largest_on(x_kernel, done.zeros) <= TRACE_SHRINK * on_zeros
         index = traced.nonzero()[:, 0]
         replaced = torch.zeros_like(done.ok)
         if not index.numel():
@@ -350,12 +350,6 @@ class InputSidePeeler:
                 found[index] = True
                 vectors[index] = vector / vector.norm().clamp_min(tiny)
         return found, vectors
-
-
-def _on_zeros(x: torch.Tensor, zeros: torch.Tensor) -> torch.Tensor:
-    """(k,) the largest |x| of each input (k, n) on its ``zeros`` (k, n), relative to its max."""
-    size = x.abs().amax(dim=1).clamp_min(torch.finfo(x.dtype).tiny)
-    return torch.where(zeros, x.abs(), torch.zeros_like(x)).amax(dim=1) / size
 
 
 #: the kernel screen's relative singular value: row sets whose smallest singular value is

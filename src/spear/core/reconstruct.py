@@ -1378,8 +1378,8 @@ class _Attack:
     def _released(
         self, selection: Selection, verdict: Verdict, certified: torch.Tensor, pinned: torch.Tensor
     ) -> tuple[Selection, Verdict] | None:
-        """Where the precision audit refused the batch, the first selection that verifies with
-        one of its columns solved again on its zero set less one row
+        """Where the precision audit refused the batch, a selection that verifies with one of
+        its columns solved again on its zero set less one row
         (:func:`~spear.core.released.released_kernels`: a small true value of the sample's own
         that its direction, solved to vanish there, cancelled with a trace of another sample);
         the pool keeps its candidates. The audit names the sample whose *column* took the
@@ -1424,19 +1424,19 @@ class _Attack:
         audited: it was solved on exactly the rows it claims as zero. Its pool index stays the
         column's it replaces (the pool takes directions this close for one: a mixture 6e-4
         of another sample off differs from it by less than the pool's duplicate angle)."""
-        s = self.setup
-        Qbar = selection.Qbar.clone()
-        Qbar[:, j] = direction.to(Qbar.dtype) * Qbar[:, j].norm()
-        changed, _, _ = s.scored(selection.indices, Qbar)
-        if changed is None or not changed.perfect:
+
+        def placed(into: Selection) -> Selection | None:  # column j replaced, scored; None if not perfect
+            Qbar = into.Qbar.clone()
+            Qbar[:, j] = direction.to(Qbar.dtype) * Qbar[:, j].norm()
+            scored, _, _ = self.setup.scored(selection.indices, Qbar)
+            return scored if scored is not None and scored.perfect else None
+
+        changed = placed(selection)
+        if changed is None:
             return None
         changed, polished = self._polish(changed)
-        if bool(polished.solved[j]):
-            Qbar = changed.Qbar.clone()
-            Qbar[:, j] = direction.to(Qbar.dtype) * Qbar[:, j].norm()
-            changed, _, _ = s.scored(selection.indices, Qbar)
-            if changed is None or not changed.perfect:
-                return None
+        if bool(polished.solved[j]) and (changed := placed(changed)) is None:
+            return None
         solved, fresh = polished.solved.clone(), certified.clone()
         kept = pinned & polished.keeps_pin.to(pinned.device)
         solved[j], kept[j], fresh[j] = True, False, False  # its zero set as read pins the mixture
@@ -1877,7 +1877,7 @@ def _certified_samples(
         batch_precision = setup.sample_precision(selection.Qbar)
         if len(peeled):
             inputs, labels, weights, precision = _peeled_in_batch(
-                setup, peeled, verdict, selection, batch_precision
+                setup, peeled, inputs, verdict, selection, batch_precision
             )
         if extra is not None and bool(extra.any()):  # a consistent batch's own certificates
             assert verdict.certificates is not None
@@ -1925,22 +1925,23 @@ def stands_for_several(weights: torch.Tensor) -> torch.Tensor:
 def _peeled_in_batch(
     setup: AttackSetup,
     peeled: PeeledSamples,
+    inputs: torch.Tensor,
     verdict: Verdict,
     selection: Selection,
     batch_precision: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The peeled samples as the consistent batch of ``selection`` reports them
-    (:func:`_as_assembled`): inputs (f', n), labels, loss weights and precision (NaN for one
-    the batch does not hold). A verified batch's labels and weights replace the peeled ones with
-    its inputs; two peeled samples assembled into one column count once; and a sample peeled
-    into a column the precision audit named (``Verdict.audit_named``) is dropped: the audit
-    proves that column wrong at the data's precision, a mixture or the bearer of its trace (the
-    review's float32 batches, unverified, kept a peeled mixture 1.6e-3 off as certified). Only
-    where it names at most ``MOST_NAMED_SHARE`` of the batch: a mixture names a pair, while a
-    client that computed in less than its gradient's precision (autocast) has every sample
-    miss, and then the audit proves no column wrong (dropping them cost a review's 96 float16
-    clients 433 of 1,062 correct certified samples)."""
-    inputs = setup.expand_inputs(peeled.inputs)
+    """The peeled samples (their ``inputs`` expanded to the layer's width) as the consistent
+    batch of ``selection`` reports them (:func:`_as_assembled`): inputs (f', n), labels, loss
+    weights and precision (NaN for one the batch does not hold). A verified batch's labels and
+    weights replace the peeled ones with its inputs; two peeled samples assembled into one
+    column count once; and a sample peeled into a column the precision audit named
+    (``Verdict.audit_named``) is dropped: the audit proves that column wrong at the data's
+    precision, a mixture or the bearer of its trace (the review's float32 batches, unverified,
+    kept a peeled mixture 1.6e-3 off as certified). Only where it names at most
+    ``MOST_NAMED_SHARE`` of the batch: a mixture names a pair, while a client that computed in
+    less than its gradient's precision (autocast) has every sample miss, and then the audit
+    proves no column wrong (dropping them cost a review's 96 float16 clients 433 of 1,062
+    correct certified samples)."""
     inputs, held, column = _as_assembled(setup, peeled, verdict, selection, inputs)
     held, column = held.cpu(), column.cpu()
     labels, weights = peeled.labels.clone(), peeled.weights.clone()

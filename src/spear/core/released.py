@@ -31,7 +31,7 @@ import torch
 
 from spear.core.consistency import ZERO_FLOOR_FRACTION
 from spear.core.deadline import NEVER, Deadline
-from spear.core.filtering import kernel_of_rows, zero_mask
+from spear.core.filtering import kernel_of_rows, largest_on, zero_mask
 from spear.core.linalg import masked_kernels
 
 #: a row is released when the zero set without it fits its kernel with at most this fraction of
@@ -88,7 +88,7 @@ def inconsistent_columns(L: torch.Tensor, Q: torch.Tensor, zero_rtol: float, mos
     peak = values.abs().amax(dim=1)
     floor = ZERO_FLOOR_FRACTION * zero_rtol
     zero = zero_mask(values, zero_rtol)
-    unsure = ((values.abs() > floor * peak[:, None]) & zero).any(dim=1) & (zero.sum(dim=1) >= L.shape[1])
+    unsure = (largest_on(values, zero) > floor) & (zero.sum(dim=1) >= L.shape[1])
     columns = unsure.nonzero()[:, 0]
     if not columns.numel():
         return columns

@@ -265,10 +265,46 @@ def build_options(options: Mapping[str, Any]) -> AttackOptions:
 
 
 def source_precision(*tensors: torch.Tensor) -> torch.dtype:
-    """The least precise floating dtype among the tensors the gradient came in: the rounding
-    noise every threshold must tolerate (float16 and bfloat16 are upcast, with their own
-    tolerances and the gap rank rule)."""
-    return max((t.dtype for t in tensors), key=lambda d: torch.finfo(d).eps)
+    """The least precise dtype the gradient was computed in, read from the tensors it came in
+    (:func:`stored_precision`): the rounding noise every threshold must tolerate (float16 and
+    bfloat16 are upcast, with their own tolerances and the gap rank rule)."""
+    return max((stored_precision(t) for t in tensors), key=lambda d: torch.finfo(d).eps)
+
+
+#: the significand widths (with the implicit bit) of the dtypes a client computes in, narrowest
+#: first
+SIGNIFICAND_BITS = {torch.bfloat16: 8, torch.float16: 11, torch.float32: 24, torch.float64: 53}
+#: nonzero entries a tensor needs for its significands to tell the precision it was computed
+#: in: a float32 entry fits float16's 11 bits by chance with probability 2^-13
+FEWEST_TELLING_ENTRIES = 64
+#: entries read of a larger tensor (evenly spaced): a few milliseconds, where reading all of an
+#: m = 4000 MLP's gradients took a second
+MOST_READ_ENTRIES = 2**20
+
+
+def stored_precision(t: torch.Tensor) -> torch.dtype:
+    """The narrowest floating dtype whose significand holds every entry of ``t``: the precision
+    ``t`` was computed in, which its dtype may overstate. A client under ``torch.autocast``
+    computes each layer's gradient in float16 or bfloat16 and stores it in its float32
+    parameter's ``.grad`` (loss scaling and unscaling multiply by powers of 2, which keep the
+    significands); a float32 update may have been upcast to float64 before the attack. Their
+    tolerances must be those of the arithmetic, not of the container. A tensor with fewer than
+    ``FEWEST_TELLING_ENTRIES`` nonzero entries keeps its dtype; of a larger one,
+    ``MOST_READ_ENTRIES`` evenly spaced entries are read."""
+    own = SIGNIFICAND_BITS.get(t.dtype)
+    flat = t.detach().reshape(-1)
+    flat = flat[:: max(1, flat.numel() // MOST_READ_ENTRIES)]
+    values = flat[flat != 0] if own is not None else t.new_empty(0)
+    if values.numel() < FEWEST_TELLING_ENTRIES:
+        return t.dtype
+    mantissa, _ = torch.frexp(values.to(torch.float64))  # exact: in [0.5, 1)
+    for dtype, bits in SIGNIFICAND_BITS.items():
+        if bits >= own:
+            break
+        scaled = mantissa * 2.0**bits  # a power of 2: exact
+        if bool((scaled == scaled.round()).all()):
+            return dtype
+    return t.dtype
 
 
 def reconstruct(
@@ -406,6 +442,20 @@ def reconstruct(
         )
 
 
+def _client_precision(
+    model: torch.nn.Module, tail: torch.nn.Module, grads: Mapping[str, Any], own: Any, working: torch.Tensor
+) -> torch.dtype:
+    """The precision of the columns of dL/dZ the model certificate checks: the least precise
+    of the layer's weight gradient ``own``, the attack's working dtype and the gradients of
+    every layer after it (:func:`stored_precision`). A client that ran only those under
+    autocast sends the layer a gradient of float32's precision whose columns were rounded to
+    float16's: the layer's own tolerances stay float32's, the certificate's must be float16's."""
+    names = {id(p): name for name, p in model.named_parameters()}
+    later = [names.get(id(p)) for p in tail.parameters()]
+    tensors = [_as_tensor(name, grads[name]) for name in later if name is not None and name in grads]
+    return source_precision(_as_tensor("gradient", own), working, *tensors)
+
+
 def attack_layer(
     model: torch.nn.Module,
     layer: str,
@@ -437,8 +487,10 @@ def attack_layer(
             (:class:`spear.certify.WeightedCertifier`). Needs ``layer`` to be the model's first.
         precision_audit: audit a model-verified batch at the precision its data and the
             client's arithmetic give each sample (:func:`spear.core.verdict.audit_precision`).
-            Its model of the client assumes it computed in its gradient's dtype: turn it off
-            for clients that ran in less (TF32, autocast), whose correct batches it refuses.
+            Its model of the client assumes it computed in the precision its gradients' entries
+            show (:func:`stored_precision`: autocast's float16 or bfloat16 shows): turn it off
+            for clients that ran in less and left no trace (TF32 matmuls), whose correct
+            batches it refuses.
             A ``verify_rtol`` you set turns it off too (the tolerance is then yours). Without
             the model certificate (``certify=False``, or a ``certifier`` of your own) there is
             no audit.
@@ -496,7 +548,7 @@ def attack_layer(
     if certify and tail is not None and "certifier" not in options:
         working_dtype = options.get("dtype", torch.float64)
         working = torch.empty(0, dtype=working_dtype if isinstance(working_dtype, torch.dtype) else None)
-        dtype = source_precision(_as_tensor("gradient", grads[prefix + "weight"]), working)
+        dtype = _client_precision(model, tail, grads, grads[prefix + "weight"], working)
         rtol = options.get("verify_rtol") or Tolerances.for_dtype(dtype).verify_rtol
         saturation = SATURATION_EPS * torch.finfo(dtype).eps
         # a tolerance the user set is theirs: the verdict's precision audit then stays off

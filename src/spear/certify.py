@@ -247,6 +247,22 @@ class ModelCertifier:
         """The attacked layer's outputs ``W x + bias`` for inputs (k, n), in float64."""
         return inputs.detach().to(self.weight) @ self.weight.T + self.bias
 
+    def scale_invariant(self, inputs: torch.Tensor) -> torch.Tensor:
+        """(k,) whether each input's scaled copies ``t x``, ``t`` in [1/2, 2], keep its activation
+        pattern: no pre-activation outside the sign-less band (``z_rtol``) changes sign between
+        ``t = 1`` and either end (``t W x + b`` is linear in t). A zero-bias layer's patterns
+        always do: a sample and its copy ``3 x`` then share every gate, and where the loss is
+        saturated their columns are parallel and merge into one that fits the model as one
+        sample (:func:`spear.core.verdict.saturation_ambiguous`). With biases, some neuron
+        crosses zero in that range for nearly every input, and the merged column misfits it."""
+        a = inputs.detach().to(self.weight) @ self.weight.T
+        z = a + self.bias
+        band = self.z_rtol * z.clamp_min(0).amax(dim=1, keepdim=True)
+        signed = z.abs() > band
+        sign = torch.sign(z)
+        flips = (torch.sign(0.5 * a + self.bias) != sign) | (torch.sign(2 * a + self.bias) != sign)
+        return ~(signed & flips).any(dim=1)
+
     def _sensitivity(self, z: torch.Tensor, label: torch.Tensor) -> torch.Tensor:
         """``|H u| |z| / |g|`` per sample: the relative change of the per-sample gradient g per
         relative change of the pre-activations z along ``u = z / |z|`` (H: the loss's Hessian
@@ -354,7 +370,8 @@ class ModelCertifier:
         out.ok[part] = ok
         saturated = self._sensitivity(z, label) <= self.saturation
         out.saturated[part] = ok & saturated
-        out.strong[part] = ok & self._discriminative(g, label) & ~saturated
+        out.discriminative[part] = ok & self._discriminative(g, label)
+        out.strong[part] = out.discriminative[part] & ~saturated
         out.labels[part] = torch.where(ok, label, -1)
         out.weights[part] = torch.where(ok, weight.gather(1, label[:, None])[:, 0], torch.nan)
         out.misfit[part] = best
@@ -403,7 +420,7 @@ class ModelCertifier:
                 continue
             for field in ("ok", "labels", "weights", "misfit", "saturated"):
                 getattr(out, field)[position] = getattr(refit, field)[0]
-            out.strong[position] = False
+            out.strong[position] = out.discriminative[position] = False
 
     def _near_zero_gates(self, z: torch.Tensor) -> list[list[tuple[int, int, bool]]]:
         """For pre-activations z (p, m) of the layer, each sample's units of the deeper ReLUs
@@ -494,6 +511,10 @@ class WeightedCertifier:
         """The inner certificate's (:meth:`ModelCertifier.weight_sensitivity`): a sample's
         weight scales its column, not how it moves."""
         return self.inner.weight_sensitivity(inputs, labels)
+
+    def scale_invariant(self, inputs: torch.Tensor) -> torch.Tensor:
+        """The inner certificate's (:meth:`ModelCertifier.scale_invariant`): the layer's."""
+        return self.inner.scale_invariant(inputs)
 
     def gradients(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """The inner certificate's predicted columns at unit loss weight

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Protocol
+from typing import ClassVar, Protocol
 
 import torch
 
@@ -39,7 +39,21 @@ class SampleCertificates:
         saturated: (k,) bool, the per-sample gradient hardly changes with the input inside its
             activation region (a saturated softmax): other samples sharing the pattern and label
             have the same column, so one column may stand for several samples. Never strong.
+        discriminative: (k,) bool, ok and discriminative, saturated or not (``strong`` is
+            ``discriminative & ~saturated``): a saturated sample that shares its pattern with
+            no other sample of its label is judged by it (``spear.core.verdict``).
     """
+
+    #: the per-sample fields, in the constructor's order
+    FIELDS: ClassVar[tuple[str, ...]] = (
+        "ok",
+        "labels",
+        "weights",
+        "misfit",
+        "strong",
+        "saturated",
+        "discriminative",
+    )
 
     ok: torch.Tensor
     labels: torch.Tensor
@@ -47,12 +61,15 @@ class SampleCertificates:
     misfit: torch.Tensor
     strong: torch.Tensor = None  # type: ignore[assignment]  # default: ok
     saturated: torch.Tensor = None  # type: ignore[assignment]  # default: none
+    discriminative: torch.Tensor = None  # type: ignore[assignment]  # default: strong
 
     def __post_init__(self) -> None:
         if self.strong is None:
             object.__setattr__(self, "strong", self.ok.clone())
         if self.saturated is None:
             object.__setattr__(self, "saturated", torch.zeros_like(self.ok))
+        if self.discriminative is None:
+            object.__setattr__(self, "discriminative", self.strong.clone())
 
     @classmethod
     def none(cls, k: int, device: torch.device | str = "cpu") -> SampleCertificates:
@@ -62,6 +79,7 @@ class SampleCertificates:
             torch.full((k,), -1, dtype=torch.long, device=device),
             torch.full((k,), math.nan, dtype=torch.float64, device=device),
             torch.full((k,), math.inf, dtype=torch.float64, device=device),
+            torch.zeros(k, dtype=torch.bool, device=device),
             torch.zeros(k, dtype=torch.bool, device=device),
             torch.zeros(k, dtype=torch.bool, device=device),
         )

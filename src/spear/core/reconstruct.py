@@ -1939,7 +1939,7 @@ def _peeled_in_batch(
     precision, a mixture or the bearer of its trace (the review's float32 batches, unverified,
     kept a peeled mixture 1.6e-3 off as certified). Only where it names at most
     ``MOST_NAMED_SHARE`` of the batch: a mixture names a pair, while a client that computed in
-    less than its gradient's precision (autocast) has every sample miss, and then the audit
+    less than its gradient's entries show (TF32) has every sample miss, and then the audit
     proves no column wrong (dropping them cost a review's 96 float16 clients 433 of 1,062
     correct certified samples)."""
     inputs, held, column = _as_assembled(setup, peeled, verdict, selection, inputs)

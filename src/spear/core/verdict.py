@@ -250,7 +250,7 @@ class ModelGate:
                     break
                 part_rtol = None if rtol is None else rtol[part.to(rtol.device)]
                 some = self._certify(inputs[part], grad_outputs[part], part_rtol)
-                for name in ("ok", "labels", "weights", "misfit", "strong", "saturated"):
+                for name in SampleCertificates.FIELDS:
                     mine = getattr(cert, name)
                     mine[part] = getattr(some, name).to(device=mine.device, dtype=mine.dtype)
         self.seconds += time.perf_counter() - start
@@ -356,7 +356,12 @@ def judge(
         sensitivity = weight_sensitivity(gate, inputs, cert.labels)
         weight_rtol = weight_tolerances(sample_rtol, data_precision, sensitivity)
         spared = unrefuted(cert, sample_rtol, explained)
-        _judge_by_model(verdict, cert, pinned, WEIGHT_PRECISION * weight_rtol, gate.trusted, clients, spared)
+        weight_precision = WEIGHT_PRECISION * weight_rtol
+        invariant = getattr(gate.certifier, "scale_invariant", None)
+        ambiguous = saturation_ambiguous(
+            cert, determinacy.groups, None if invariant is None else invariant(inputs)
+        )
+        _judge_by_model(verdict, cert, pinned, weight_precision, gate.trusted, clients, spared, ambiguous)
         faint = (sample_rtol > tol.verify_rtol).nonzero()[:, 0].tolist()
         if faint:
             verdict.notes.append(
@@ -579,8 +584,8 @@ def _audit_problem(
             f"{float(misfit[worst]):.1e}, more than {AUDIT_SLACK:g} times what the rounding of the "
             f"data and of the client's arithmetic explains ({float(explained[audited[worst]]):.1e}): "
             "a trace of another sample's column may be mixed in, which the dtype's tolerance cannot "
-            "see (or the client computed in less than its gradient's precision: TF32, autocast; then "
-            "attack with precision_audit=False)"
+            "see (or the client computed in less than its gradient's entries show, e.g. TF32 "
+            "matmuls; then attack with precision_audit=False)"
         ), named
     precision = WEIGHT_PRECISION * tight
     fit = infer_aggregate(weights, clients, precision) if clients > 1 else infer_reduction(weights, precision)
@@ -662,6 +667,37 @@ def unrefuted(
     return ~cert.ok.cpu() & (misfit > sample_rtol) & (misfit <= bound)
 
 
+def saturation_ambiguous(
+    cert: SampleCertificates,
+    groups: tuple[tuple[int, ...], ...],
+    scale_invariant: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """(b,) the saturated samples (``cert.saturated``) whose column may stand for a mixture or
+    a merge of several samples the model's fit cannot tell apart: those whose ambiguous group
+    (``groups``: :class:`spear.core.consistency.Determinacy`, columns sharing (nearly) one
+    activation pattern) holds another sample of their label (*twins*), and those whose scaled
+    copies keep their pattern (``scale_invariant`` (b,), the certifier's
+    :meth:`spear.certify.ModelCertifier.scale_invariant`; None: every one).
+
+    A saturated sample's gradient hardly moves with its input inside its activation region.
+    So a mixture with a twin has a column of the pair's direction, which fits the model; and
+    copies ``t x`` of one input under one label (a zero-bias layer keeps the pattern) have
+    parallel columns that merge into one column, fitting one sample. A mixture with a sample
+    of another pattern has a column nonzero where the mixed input is inactive, or the
+    reverse, at entries of the other sample's size, which the layer's pattern check refutes;
+    with a sample of another label, a column no single label's gradient fits; and copies whose
+    pattern changes with their scale (a bias crossing zero) leave a merged column that misfits
+    where it changed. float16 and bfloat16 gradients make nearly every sample read as
+    saturated (1e3 eps is about 1): this is what lets their batches verify."""
+    twinned = torch.zeros_like(cert.ok)
+    labels = cert.labels.tolist()
+    for group in groups:
+        for j in group:
+            twinned[j] = any(labels[k] == labels[j] >= 0 for k in group if k != j)
+    radial = torch.ones_like(cert.ok) if scale_invariant is None else scale_invariant.to(cert.ok.device)
+    return cert.saturated & (twinned | radial)
+
+
 def _judge_by_model(
     verdict: Verdict,
     cert: SampleCertificates,
@@ -670,11 +706,13 @@ def _judge_by_model(
     gate_trusted: bool,
     clients: int = 1,
     spared: torch.Tensor | None = None,
+    ambiguous: torch.Tensor | None = None,
 ) -> None:
     """Model level: every sample certified, by a discriminative fit or a pinned zero set, none
-    saturated, with one sample's weight each, fitting a mean or a sum. ``precision`` (b,): each
-    loss weight's relative precision; ``spared`` (b,): columns not certified but not refuted
-    (:func:`unrefuted`), which are not rejected."""
+    saturated ambiguously (:func:`saturation_ambiguous`), with one sample's weight each,
+    fitting a mean or a sum. ``precision`` (b,): each loss weight's relative precision;
+    ``spared`` (b,): columns not certified but not refuted (:func:`unrefuted`), which are not
+    rejected; ``ambiguous`` (b,): :func:`saturation_ambiguous` (None: every saturated sample)."""
     spared = torch.zeros_like(cert.ok) if spared is None else spared.to(cert.ok.device)
     verdict.reject = (~cert.ok & ~pinned & ~spared).nonzero()[:, 0].tolist() if gate_trusted else []
     if bool(spared.any()):
@@ -692,16 +730,19 @@ def _judge_by_model(
         )
     if unfit or bool(spared.any()):
         return
-    saturated = cert.saturated.nonzero()[:, 0].tolist()
+    ambiguous = cert.saturated if ambiguous is None else ambiguous.to(cert.ok.device)
+    saturated = ambiguous.nonzero()[:, 0].tolist()
     if saturated:
         verdict.problems.append(
             f"the loss of sample(s) {saturated} is saturated at the gradient's precision (their "
             "gradient changes with the input, inside its activation region, by less than 1e3 eps of "
-            "the gradient's dtype): samples sharing such a pattern and label have one gradient at "
-            "that precision, so a column may stand for several of them. With float16 or bfloat16 "
-            "gradients nearly every sample reads so (float32 ones can be certified)"
+            "the gradient's dtype), and each shares (nearly) one activation pattern with another "
+            "sample of its label, or with its own scaled copies (a zero-bias layer): such samples "
+            "have one gradient at that precision, so a column may stand for several of them"
         )
-    weak = (~cert.strong & ~pinned & ~cert.saturated).nonzero()[:, 0].tolist()
+    # a saturated sample that no other can hide in is judged by its fit as an unsaturated one is
+    strong = cert.strong | (cert.saturated & ~ambiguous & cert.discriminative)
+    weak = (~strong & ~pinned & ~ambiguous).nonzero()[:, 0].tolist()
     if weak:
         verdict.problems.append(
             f"the model confirms sample(s) {weak} by a fit that mixtures of samples can pass too (a "
@@ -754,8 +795,8 @@ def _judge_by_model(
         verdict.verified_by = "model"
         if reduction.client_sizes is not None:
             verdict.notes.append(aggregate_note(reduction.client_sizes, clients))
-        if not bool(cert.strong.all()):
-            signs = (~cert.strong).nonzero()[:, 0].tolist()
+        if not bool(strong.all()):
+            signs = (~strong).nonzero()[:, 0].tolist()
             verdict.notes.append(
                 f"the labels of sample(s) {signs} rest on the sign of their gradient, whose direction "
                 "is the same for every label (two classes, a saturated softmax, or a rank-one layer "
@@ -798,10 +839,9 @@ def _certify_rest(
     fresh = gate.check(inputs[todo], grad_outputs[todo], pinned[todo], part) if todo.numel() else None
     if todo.numel() and fresh is None:
         return None
-    fields = ("ok", "labels", "weights", "misfit", "strong", "saturated")
-    merged = SampleCertificates(*(getattr(known, name).clone() for name in fields))
+    merged = SampleCertificates(*(getattr(known, name).clone() for name in SampleCertificates.FIELDS))
     if fresh is not None:
-        for name in fields:
+        for name in SampleCertificates.FIELDS:
             getattr(merged, name)[todo] = getattr(fresh, name).to(getattr(merged, name))
     return merged
 

@@ -1,0 +1,127 @@
+"""Clients computing in mixed precision (``torch.autocast``): the precision read off the
+gradient's entries (spear.api.stored_precision), and saturation judged only between twins
+(spear.core.verdict.saturation_ambiguous), which lets float16 and bfloat16 batches verify."""
+
+import pytest
+import torch
+
+import spear
+import spear.api
+import spear.certify
+from spear.core.certificate import SampleCertificates
+from spear.core.verdict import saturation_ambiguous
+from spear.fl.protocols import FedSGD
+
+
+def test_stored_precision_reads_the_significands():
+    g = torch.randn(100, 100)
+    assert spear.api.stored_precision(g) == torch.float32
+    assert spear.api.stored_precision(g.half().float()) == torch.float16
+    # loss scaling and unscaling multiply by powers of 2: the significands stay float16's
+    assert spear.api.stored_precision(g.half().float() * 2.0**-16) == torch.float16
+    assert spear.api.stored_precision(g.bfloat16().float()) == torch.bfloat16
+    assert spear.api.stored_precision(g.double()) == torch.float32  # a float32 update upcast
+    assert spear.api.stored_precision(g.half()) == torch.float16
+    few = torch.zeros(100, 100)
+    few[0, :63] = g[0, :63].half().float()  # too few nonzero entries to tell: the container's
+    assert spear.api.stored_precision(few) == torch.float32
+    few[1, :1] = 1.0
+    assert spear.api.stored_precision(few) == torch.float16  # 64 entries: enough
+    assert spear.api.source_precision(g, g.half().float()) == torch.float16  # the least precise
+
+
+def test_fedsgd_autocast_takes_the_half_dtypes_only():
+    with pytest.raises(spear.InputError, match=r"autocast must be torch\.float16, torch\.bfloat16"):
+        FedSGD(autocast=torch.float64)
+    assert FedSGD(autocast=torch.bfloat16).settings() == {"protocol": "fedsgd", "autocast": "bfloat16"}
+
+
+def _network():
+    """A 3-layer ReLU MLP on 100 features (PyTorch's init, float32)."""
+    return torch.nn.Sequential(
+        torch.nn.Linear(100, 300),
+        torch.nn.ReLU(),
+        torch.nn.Linear(300, 300),
+        torch.nn.ReLU(),
+        torch.nn.Linear(300, 10),
+    )
+
+
+def _autocast_client(dtype, b, seed):
+    torch.manual_seed(seed)
+    X = torch.rand(b, 100) * (torch.rand(b, 100) > 0.3)
+    y = torch.randint(0, 10, (b,))
+    model = _network()
+    grads = FedSGD(autocast=dtype).client_update(model, X, y)
+    assert all(g.dtype == torch.float32 for g in grads.values())  # AMP keeps the parameters' dtype
+    return model, grads, X.double()
+
+
+def _errors(rec, X):
+    D = torch.cdist(rec.inputs.double(), X)
+    return D.amin(dim=1) / X[D.argmin(dim=1)].norm(dim=1)
+
+
+@pytest.mark.parametrize(("dtype", "b", "seed"), [(torch.float16, 32, 0), (torch.bfloat16, 8, 0)])
+def test_an_autocast_client_is_verified_to_its_arithmetic(dtype, b, seed, monkeypatch):
+    """A client under autocast sends float32 gradients computed in float16 (bfloat16): read as
+    float32 they were not recovered (float16, b = 32: "not recovered", 9 samples certified one
+    by one; bfloat16, b = 8: unverified, 0 consistent directions). Read at their arithmetic's
+    precision, every sample reads saturated (1e3 eps is about 1 there), which blocked the
+    model certificate; no two share a pattern and a label, so the batch verifies."""
+    model, grads, X = _autocast_client(dtype, b, seed)
+    rec = spear.attack_layer(model, "0", grads, seed=0, max_proposals=20_000)
+    assert rec.verified, rec.message
+    error = _errors(rec, X)
+    assert bool((error < 10 * torch.finfo(dtype).eps).all()), error.max()  # the verification tolerance
+    assert bool((error <= rec.input_precision.double()).all())  # within each stated precision
+    monkeypatch.setattr(spear.api, "FEWEST_TELLING_ENTRIES", 10**12)  # the container's dtype
+    assert not spear.attack_layer(model, "0", grads, seed=0, max_proposals=20_000).verified
+
+
+def test_saturated_samples_block_the_batch_with_a_twin_or_scaled_copies():
+    b = 4
+    cert = SampleCertificates(
+        ok=torch.ones(b, dtype=torch.bool),
+        labels=torch.tensor([3, 3, 5, 3]),
+        weights=torch.full((b,), 0.25, dtype=torch.float64),
+        misfit=torch.zeros(b, dtype=torch.float64),
+        strong=torch.zeros(b, dtype=torch.bool),
+        saturated=torch.tensor([True, True, True, False]),
+    )
+    biased = torch.zeros(b, dtype=torch.bool)  # every sample's copies change its pattern
+    assert saturation_ambiguous(cert, (), biased).tolist() == [False] * 4  # every pattern its own
+    assert saturation_ambiguous(cert, ((0, 1),), biased).tolist() == [True, True, False, False]
+    assert saturation_ambiguous(cert, ((0, 2),), biased).tolist() == [False] * 4  # other labels
+    # sample 3 is not saturated: sample 0 may still hide a mixture with it
+    assert saturation_ambiguous(cert, ((0, 2, 3),), biased).tolist() == [True, False, False, False]
+    copies = torch.tensor([False, False, True, True])  # 2 keeps its pattern when scaled
+    assert saturation_ambiguous(cert, (), copies).tolist() == [False, False, True, False]
+    assert saturation_ambiguous(cert, (), None).tolist() == [True, True, True, False]  # not known
+
+
+def test_scaled_copies_keep_the_pattern_of_a_zero_bias_layer_only():
+    torch.manual_seed(0)
+    tail = torch.nn.Sequential(torch.nn.ReLU(), torch.nn.Linear(50, 10)).double()
+    layer = torch.nn.Linear(20, 50).double()
+    x = torch.randn(6, 20, dtype=torch.float64)
+    certifier = spear.certify.ModelCertifier(tail, layer.weight, layer.bias, rtol=1e-8)
+    assert not bool(certifier.scale_invariant(x).any())
+    zero_bias = spear.certify.ModelCertifier(
+        tail, layer.weight, torch.zeros(50, dtype=torch.float64), rtol=1e-8
+    )
+    assert bool(zero_bias.scale_invariant(x).all())
+
+
+def test_float16_twins_are_not_verified():
+    """Sample 1 is sample 0 plus 10% noise on its support, with its label: the two share their
+    pattern, and their saturated losses (float16) cannot tell them from mixtures of them."""
+    torch.manual_seed(0)
+    X = torch.rand(16, 100) * (torch.rand(16, 100) > 0.3)
+    X[1] = X[0] + 0.1 * torch.rand(100) * (X[0] > 0)
+    y = torch.randint(0, 10, (16,))
+    y[1] = y[0]
+    model = _network()
+    grads = FedSGD(autocast=torch.float16).client_update(model, X, y)
+    rec = spear.attack_layer(model, "0", grads, seed=0, max_proposals=20_000)
+    assert not rec.verified and "shares (nearly) one activation pattern" in rec.message

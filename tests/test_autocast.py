@@ -1,12 +1,14 @@
 """Clients computing in mixed precision (``torch.autocast``): the precision read off the
-gradient's entries (spear.api.stored_precision), and saturation judged only between twins
-(spear.core.verdict.saturation_ambiguous), which lets float16 and bfloat16 batches verify."""
+gradient's entries (spear.api.stored_precision) or told (``client_dtype``), and saturation
+counted only where another sample can hide in a column (spear.core.verdict.
+saturation_ambiguous), which lets float16 and bfloat16 batches verify."""
 
 import pytest
 import torch
 
 import spear
 import spear.api
+import spear.cascade
 import spear.certify
 from spear.core.certificate import SampleCertificates
 from spear.core.verdict import saturation_ambiguous
@@ -115,7 +117,8 @@ def test_scaled_copies_keep_the_pattern_of_a_zero_bias_layer_only():
 
 def test_float16_twins_are_not_verified():
     """Sample 1 is sample 0 plus 10% noise on its support, with its label: the two share their
-    pattern, and their saturated losses (float16) cannot tell them from mixtures of them."""
+    pattern, and their saturated losses (float16) cannot tell them from mixtures of them. The
+    batch stays unverified and neither is certified on its own; the other 14 are."""
     torch.manual_seed(0)
     X = torch.rand(16, 100) * (torch.rand(16, 100) > 0.3)
     X[1] = X[0] + 0.1 * torch.rand(100) * (X[0] > 0)
@@ -125,3 +128,44 @@ def test_float16_twins_are_not_verified():
     grads = FedSGD(autocast=torch.float16).client_update(model, X, y)
     rec = spear.attack_layer(model, "0", grads, seed=0, max_proposals=20_000)
     assert not rec.verified and "shares (nearly) one activation pattern" in rec.message
+    # the other 14 are certified one by one (a discriminative fit, no twin), the pair is not
+    D = torch.cdist(rec.certified_inputs.double(), X.double())
+    assert sorted(D.argmin(dim=1).tolist()) == list(range(2, 16))
+    assert bool((D.amin(dim=1) / X.double()[D.argmin(dim=1)].norm(dim=1) <= rec.certified_precision).all())
+
+
+def test_client_dtype_tells_what_the_entries_no_longer_show(monkeypatch):
+    """A residual (certified samples subtracted) of an autocast client's update reads float32;
+    ``client_dtype`` gives the attack float16's tolerances back, and ``attack_model`` sets it
+    from the update as the client sent it."""
+    model, grads, X = _autocast_client(torch.float16, 32, 0)
+    blurred = {name: g + (g != 0) * g.abs().amax() * 1e-9 * torch.rand(g.shape) for name, g in grads.items()}
+    assert spear.api.stored_precision(blurred["0.weight"]) == torch.float32
+    assert not spear.attack_layer(model, "0", blurred, seed=0, max_proposals=20_000).verified
+    rec = spear.attack_layer(model, "0", blurred, seed=0, max_proposals=20_000, client_dtype=torch.float16)
+    assert rec.verified, rec.message
+    assert bool((_errors(rec, X) <= rec.input_precision.double()).all())
+    with pytest.raises(spear.InputError, match="client_dtype must be one of"):
+        spear.attack_layer(model, "0", grads, client_dtype=torch.int8)
+    told = []
+    real = spear.cascade.attack_layer
+
+    def spy(*args, **options):
+        told.append(options.get("client_dtype"))
+        return real(*args, **options)
+
+    monkeypatch.setattr(spear.cascade, "attack_layer", spy)
+    model, grads, _ = _autocast_client(torch.float16, 8, 1)
+    spear.attack_model(model, grads, seed=0, max_proposals=20_000, max_rounds=1)
+    assert told and set(told) == {torch.float16}
+
+
+def test_the_certificate_tolerance_grows_with_a_half_precision_tail():
+    tail = torch.nn.Sequential(torch.nn.ReLU(), torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+    assert spear.api.certificate_rtol(tail, torch.float32) == pytest.approx(1e-3)
+    assert spear.api.certificate_rtol(tail, torch.float16) == pytest.approx(
+        2 * 10 * torch.finfo(torch.float16).eps
+    )
+    assert spear.api.certificate_rtol(torch.nn.Sequential(torch.nn.ReLU()), torch.bfloat16) == pytest.approx(
+        10 * torch.finfo(torch.bfloat16).eps
+    )

@@ -364,6 +364,9 @@ runner = CliRunner()
         (["--local-lr", "inf"], "finite number > 0"),
         (["--dp-noise-multiplier", "inf"], "at most 1e+06"),
         (["--dp-max-grad-norm", "inf"], "finite number > 0"),
+        (["--autocast", "float8"], "unknown --autocast"),
+        (["--autocast", "float16", "--dtype", "float64"], "--autocast applies to FedSGD clients"),
+        (["--autocast", "bfloat16", "--protocol", "fedavg"], "--autocast applies to FedSGD clients"),
     ],
 )
 def test_cli_rejects_bad_protocol_settings(args, message):
@@ -378,6 +381,7 @@ def test_cli_runs_each_protocol_and_records_its_settings():
         (["-b", "8", "--protocol", "fedavg", "--local-epochs", "2", "--local-lr", "0.05"], "replay"),
         (["-b", "8", "--dp-noise-multiplier", "0", "--dp-max-grad-norm", "0.5"], "model"),
         (["-b", "4", "--clients", "3"], "model"),
+        (["-b", "8", "--autocast", "float16", "--seed", "1"], "model"),  # float16's arithmetic
     ]
     for args, verified_by in cases:
         result = runner.invoke(app, [*tiny, *args])
@@ -387,6 +391,7 @@ def test_cli_runs_each_protocol_and_records_its_settings():
         assert payload["metrics"]["accuracy"] == 1.0
         assert payload["settings"]["dtype"] == "float32"  # realistic protocols default to float32
         assert payload["protocol"]["protocol"] == payload["settings"]["protocol"]
+        assert payload["protocol"].get("autocast") == payload["settings"]["autocast"]
 
 
 def test_dp_noise_gives_a_full_rank_gradient_read_off_its_gap(mnist):

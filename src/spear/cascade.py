@@ -38,6 +38,7 @@ from spear.api import (
     build_options,
     check_seconds,
     named_gradients,
+    source_precision,
     warn_if_oversubscribed,
 )
 from spear.certify import LossFn, _cross_entropy
@@ -315,7 +316,9 @@ class _Cascade:
         self.found = _Found()
         self.steps: list[CascadeStep] = []
         self.start = time.perf_counter()
-        dtype = max((t.dtype for t in self.original.values()), key=lambda d: torch.finfo(d).eps)
+        # read off the update as the client sent it: the residuals' entries no longer show it
+        dtype = plan.options.get("client_dtype") or source_precision(*self.original.values())
+        self.client_dtype = dtype
         self.tol = Tolerances.for_dtype(dtype)
         self.explained_rtol = EXPLAINED_RTOL.get(dtype, self.tol.verify_rtol)
         first = next(m for m in model.modules() if isinstance(m, nn.Linear))
@@ -353,7 +356,7 @@ class _Cascade:
 
     def _attack(self, layer: str, left: float | None, scale: int) -> None:
         """One attack on the residual; each pass doubles the per-attack budgets (``scale``)."""
-        options = dict(self.plan.options)
+        options = {**self.plan.options, "client_dtype": self.client_dtype}
         per_attack = None if self.plan.attack_budget is None else self.plan.attack_budget * scale
         budget = [t for t in (left, per_attack) if t is not None]
         if budget:

@@ -84,7 +84,7 @@ def _settings(**options):
     from spear.core.proposers import PROPOSERS
     from spear.data import DATASETS
     from spear.experiments import ExperimentSettings
-    from spear.experiments.run import DTYPES
+    from spear.experiments.run import AUTOCAST, DTYPES
     from spear.fl import MODELS
 
     dataset, batch_size, width = options["dataset"].lower(), options["batch_size"], options["width"]
@@ -113,10 +113,18 @@ def _settings(**options):
     for key, default in (("local_epochs", 1), ("local_lr", 0.1)):
         if options.get(key) is None:
             options[key] = default
-    realistic = protocol != "fedsgd" or options.get("clients", 1) > 1
+    autocast = options.get("autocast")
+    realistic = protocol != "fedsgd" or options.get("clients", 1) > 1 or autocast is not None
     options["dtype"] = options.get("dtype") or ("float32" if realistic else "float64")
     if options["dtype"] not in DTYPES:
         _fail(f"unknown --dtype {options['dtype']!r}; choose one of {', '.join(DTYPES)}")
+    if autocast is not None and autocast not in AUTOCAST:
+        _fail(f"unknown --autocast {autocast!r}; choose one of {', '.join(AUTOCAST)}")
+    if autocast is not None and (protocol != "fedsgd" or options["dtype"] != "float32"):
+        _fail(
+            "--autocast applies to FedSGD clients of a float32 model (autocast leaves float64 alone), "
+            f"not --protocol {protocol} --dtype {options['dtype']}"
+        )
     for key, default in (("dp_noise_multiplier", 0.0), ("dp_max_grad_norm", 1.0)):
         if options.get(key) is None:
             options[key] = default
@@ -183,6 +191,10 @@ DtypeOpt = Annotated[
         help="client precision: float32 or float64 (default: float32 for fedavg, dpsgd and --clients)"
     ),
 ]
+AutocastOpt = Annotated[
+    str | None,
+    typer.Option(help="client mixed precision: float16 or bfloat16 (FedSGD under torch.autocast, float32)"),
+]
 ProtocolOpt = Annotated[
     str | None, typer.Option(help="what the client sends: fedsgd (default), fedavg, dpsgd")
 ]
@@ -216,6 +228,7 @@ def attack(
     p_fr: PfrOpt = 1e-5,
     proposer: ProposerOpt = "auto",
     dtype: DtypeOpt = None,
+    autocast: AutocastOpt = None,
     protocol: ProtocolOpt = None,
     local_epochs: EpochsOpt = None,
     local_batch_size: LocalBatchOpt = None,
@@ -341,6 +354,7 @@ def cascade(
     init: InitOpt = "default",
     pretrain_steps: PretrainOpt = None,
     dtype: DtypeOpt = None,
+    autocast: AutocastOpt = None,
     json_output: Annotated[bool, typer.Option("--json", help="print the result as JSON on stdout")] = False,
 ) -> None:
     """Attack an MLP's layers in turn, taking every certified sample out of every layer's gradient
@@ -395,6 +409,7 @@ def evaluate(
     p_fr: PfrOpt = 1e-5,
     proposer: ProposerOpt = "auto",
     dtype: DtypeOpt = None,
+    autocast: AutocastOpt = None,
     protocol: ProtocolOpt = None,
     local_epochs: EpochsOpt = None,
     local_batch_size: LocalBatchOpt = None,
@@ -533,6 +548,7 @@ def compare(
     init: InitOpt = "default",
     pretrain_steps: PretrainOpt = None,
     dtype: DtypeOpt = None,
+    autocast: AutocastOpt = None,
     model: ModelOpt = "mlp",
     layer: LayerOpt = None,
     out: Annotated[Path | None, typer.Option(help="write comparison.json and grid.png here")] = None,
@@ -610,6 +626,7 @@ def vulnerability(
     init: InitOpt = "default",
     pretrain_steps: PretrainOpt = None,
     dtype: DtypeOpt = None,
+    autocast: AutocastOpt = None,
     model: ModelOpt = "mlp",
     out: Annotated[Path | None, typer.Option(help="write vulnerability.json here")] = None,
     json_output: Annotated[bool, typer.Option("--json", help="print the records as JSON on stdout")] = False,

@@ -65,6 +65,11 @@ class AttackOptions:
             replay, :mod:`spear.fl.replay`): called with the inputs (b, n) and dL/dZ (m, b) of
             each new best selection; when it returns True the attack stops ("accepted").
         progress: called with a :class:`ProgressEvent` after every step.
+        client_dtype: the precision the client computed its gradient in (``torch.float16`` or
+            ``torch.bfloat16`` for a client under autocast), where its tolerances come from.
+            None: read off the gradient's entries (:func:`spear.api.stored_precision`); set it
+            where they no longer show it (a residual after certified samples were subtracted,
+            as :func:`spear.attack_model` does).
     """
 
     max_proposals: int | None = None
@@ -86,6 +91,7 @@ class AttackOptions:
     clients: int = 1
     stop_when: Callable[[torch.Tensor, torch.Tensor], bool] | None = field(default=None, compare=False)
     progress: Callable[[ProgressEvent], None] | None = field(default=None, compare=False)
+    client_dtype: torch.dtype | None = None
 
 
 @dataclass(frozen=True)

@@ -387,7 +387,8 @@ def judge(
         refused = refused and audit_precision(verdict, gate, precision, sample_rtol, clients)
         # a refused batch may hold a mixture whose partner the audit cannot name: none counts
         reduction = verdict.partial_reduction or verdict.reduction
-        verdict.individual = None if refused else individually_certified(cert, reduction, certified)
+        individual = individually_certified(cert, reduction, certified, ambiguous)
+        verdict.individual = None if refused else individual
     elif not gate.active and consistent:
         if not resolvable:
             verdict.problems.append(UNRESOLVABLE)
@@ -436,15 +437,22 @@ def reduction_of_tight(weights: torch.Tensor, precision: torch.Tensor) -> BatchR
 
 
 def individually_certified(
-    cert: SampleCertificates, reduction: BatchReduction, certified: torch.Tensor
+    cert: SampleCertificates,
+    reduction: BatchReduction,
+    certified: torch.Tensor,
+    ambiguous: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Columns the model certifies one by one as in the singleton cascade: a discriminative fit,
-    not saturated, with one sample's loss weight (multiplicity 1 of the batch's reduction; none
-    when no reduction fits), not peeled already (``certified``)."""
+    not saturated where another sample could hide in it (``ambiguous``,
+    :func:`saturation_ambiguous`; None: every saturated one), with one sample's loss weight
+    (multiplicity 1 of the batch's reduction; none when no reduction fits), not peeled already
+    (``certified``)."""
     single = torch.zeros_like(cert.ok)
     if reduction.multiplicities is not None:
         single = reduction.multiplicities.to(cert.ok.device) == 1
-    return cert.ok & cert.strong & ~cert.saturated & single & ~certified.to(cert.ok.device)
+    ambiguous = cert.saturated if ambiguous is None else ambiguous.to(cert.ok.device)
+    discriminative = cert.strong | (cert.saturated & cert.discriminative)
+    return cert.ok & discriminative & ~ambiguous & single & ~certified.to(cert.ok.device)
 
 
 def faint_samples(inputs: torch.Tensor, grad_outputs: torch.Tensor, tol: Tolerances) -> list[int]:
@@ -737,8 +745,9 @@ def _judge_by_model(
             f"the loss of sample(s) {saturated} is saturated at the gradient's precision (their "
             "gradient changes with the input, inside its activation region, by less than 1e3 eps of "
             "the gradient's dtype), and each shares (nearly) one activation pattern with another "
-            "sample of its label, or with its own scaled copies (a zero-bias layer): such samples "
-            "have one gradient at that precision, so a column may stand for several of them"
+            "sample of its label, or with its own scaled copies (no bias changes a sign of theirs "
+            "outside the sign-less band, as in a zero-bias layer): such samples have one gradient at "
+            "that precision, so a column may stand for several of them"
         )
     # a saturated sample that no other can hide in is judged by its fit as an unsaturated one is
     strong = cert.strong | (cert.saturated & ~ambiguous & cert.discriminative)

@@ -48,7 +48,7 @@ def run_cascade_experiment(
     )
     seconds = time.perf_counter() - began
     # --- evaluation: ground truth meets the result ---
-    atol = EXACT_ATOL[settings.torch_dtype]
+    atol = EXACT_ATOL[settings.arithmetic_dtype]
     record: dict[str, Any] = {"settings": settings.as_dict(), "cascade": result.summary(), "seconds": seconds}
     inputs, labels = result.inputs.cpu(), result.labels.cpu()  # whatever device the attack ran on
     if result.complete:

@@ -84,7 +84,7 @@ def run_comparison(
             options.setdefault("layer", layer)
         attacks.append(make_attack(name, **options))  # all built first: bad options fail early
     records, images = [], {}
-    atol = EXACT_ATOL[settings.torch_dtype]
+    atol = EXACT_ATOL[settings.arithmetic_dtype]
     for attack in attacks:
         try:
             output = attack(target)

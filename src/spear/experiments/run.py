@@ -69,8 +69,19 @@ class ExperimentSettings:
     #: the attacked Linear layer's module name; None: the model's first Linear (for the CNN the
     #: layer whose inputs are the conv features)
     layer: str | None = None
+    #: the client's mixed precision (:data:`AUTOCAST`): "float16" or "bfloat16", a FedSGD client
+    #: of a float32 model under ``torch.autocast``; None: it computes in ``dtype``
+    autocast: str | None = None
 
     def __post_init__(self) -> None:
+        if self.autocast is not None:
+            if self.autocast not in AUTOCAST:
+                raise InputError(f"unknown autocast {self.autocast!r}; choose one of {', '.join(AUTOCAST)}")
+            if self.protocol != "fedsgd" or self.dtype != "float32":
+                raise InputError(
+                    "autocast applies to FedSGD clients of a float32 model (autocast leaves float64 "
+                    f"alone); got protocol {self.protocol!r}, dtype {self.dtype!r}"
+                )
         if self.model not in MODEL_DEFAULTS:
             raise InputError(f"unknown model {self.model!r}; choose one of {', '.join(MODEL_DEFAULTS)}")
         width, steps = MODEL_DEFAULTS[self.model]
@@ -86,7 +97,7 @@ class ExperimentSettings:
         elif self.protocol == "dpsgd":
             options = {"noise_multiplier": self.dp_noise_multiplier, "max_grad_norm": self.dp_max_grad_norm}
         else:
-            options = {}
+            options = {} if self.autocast is None else {"autocast": AUTOCAST[self.autocast]}
         return make_protocol(self.protocol, **options)
 
     @property
@@ -95,12 +106,20 @@ class ExperimentSettings:
             raise InputError(f"unknown dtype {self.dtype!r}; choose one of {', '.join(DTYPES)}")
         return DTYPES[self.dtype]
 
+    @property
+    def arithmetic_dtype(self) -> torch.dtype:
+        """The precision the client computed in: the autocast dtype, else ``dtype`` (what
+        exactness is measured against)."""
+        return self.torch_dtype if self.autocast is None else AUTOCAST[self.autocast]
+
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
     def key(self) -> str:
-        """Identifies the configuration regardless of seed (batches of one evaluation share it)."""
-        fields = {k: v for k, v in self.as_dict().items() if k != "seed"}
+        """Identifies the configuration regardless of seed (batches of one evaluation share it);
+        settings added later count only when set (earlier sweeps' keys stay)."""
+        later = {"autocast"}
+        fields = {k: v for k, v in self.as_dict().items() if k != "seed" and not (k in later and v is None)}
         return hashlib.sha1(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:12]
 
 
@@ -113,7 +132,9 @@ DTYPES = {"float64": torch.float64, "float32": torch.float32}
 #: a sample counts as exact when every pixel is within this (image scale [0, 1]) of the truth:
 #: float64 clients to 1e-6; float32 clients' own rounding limits recovery to ~1e-5 relative,
 #: so 1e-4 (still 40x finer than an 8-bit image's grid)
-EXACT_ATOL = {torch.float64: 1e-6, torch.float32: 1e-4}
+EXACT_ATOL = {torch.float64: 1e-6, torch.float32: 1e-4, torch.float16: 1e-2, torch.bfloat16: 1e-1}
+#: the mixed precisions a FedSGD client may compute in (``ExperimentSettings.autocast``)
+AUTOCAST = {"float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
 @dataclass
@@ -238,7 +259,7 @@ def run_experiment(settings: ExperimentSettings, progress=None) -> ExperimentRes
         rec,
         inversion,
         secret,
-        EXACT_ATOL[settings.torch_dtype],
+        EXACT_ATOL[settings.arithmetic_dtype],
         settings.seed,
         certified_data=certified_data,
     )

@@ -102,7 +102,7 @@ def test_saturated_samples_block_the_batch_with_a_twin_or_scaled_copies():
     assert saturation_ambiguous(cert, (), None).tolist() == [True, True, True, False]  # not known
 
 
-def test_scaled_copies_keep_the_pattern_of_a_zero_bias_layer_only():
+def test_scaled_copies_keep_the_pattern_of_a_zero_bias_or_ungated_layer_only():
     torch.manual_seed(0)
     tail = torch.nn.Sequential(torch.nn.ReLU(), torch.nn.Linear(50, 10)).double()
     layer = torch.nn.Linear(20, 50).double()
@@ -113,6 +113,8 @@ def test_scaled_copies_keep_the_pattern_of_a_zero_bias_layer_only():
         tail, layer.weight, torch.zeros(50, dtype=torch.float64), rtol=1e-8
     )
     assert bool(zero_bias.scale_invariant(x).all())
+    ungated = spear.certify.ModelCertifier(tail[1:], layer.weight, layer.bias, rtol=1e-8)
+    assert bool(ungated.scale_invariant(x).all())  # no ReLU after the layer: no pattern to change
 
 
 def test_float16_twins_are_not_verified():

@@ -191,6 +191,8 @@ class ModelCertifier:
         relu_gated = isinstance(tail, nn.Sequential) and isinstance(activation_after(tail), nn.ReLU)
         band = Z_RTOL_FRACTION * rtol if z_rtol is None else z_rtol
         self.z_rtol = band if relu_gated else 0.0
+        #: whether the layer's own ReLU follows it: only then has it a pattern
+        self.relu_gated = relu_gated
         own = activation_after(self.tail) if relu_gated else None
         for module in self.tail.modules():
             if isinstance(module, nn.ReLU):
@@ -254,7 +256,10 @@ class ModelCertifier:
         always do: a sample and its copy ``3 x`` then share every gate, and where the loss is
         saturated their columns are parallel and merge into one that fits the model as one
         sample (:func:`spear.core.verdict.saturation_ambiguous`). With biases, some neuron
-        crosses zero in that range for nearly every input, and the merged column misfits it."""
+        crosses zero in that range for nearly every input, and the merged column misfits it.
+        Without a ReLU after the layer there is no pattern: every input's copies keep it."""
+        if not self.relu_gated:
+            return torch.ones(inputs.shape[0], dtype=torch.bool, device=self.weight.device)
         a = inputs.detach().to(self.weight) @ self.weight.T
         z = a + self.bias
         band = self.z_rtol * z.clamp_min(0).amax(dim=1, keepdim=True)

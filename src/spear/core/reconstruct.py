@@ -1254,6 +1254,7 @@ class _Attack:
             sample_rtol=self._sample_rtol(selection.Qbar.T),
             precision=data_precision,
             data_precision=weights_at,
+            output_side=s.options.sparsity == "output",
         )
         if verdict.verified:
             verdict.notes.append(CERTIFIED_BATCH_NOTE)
@@ -1373,6 +1374,7 @@ class _Attack:
             sample_rtol=rtol,
             precision=precision,
             explained=explained,
+            output_side=self.setup.options.sparsity == "output",
         )
 
     def _released(
@@ -2010,7 +2012,18 @@ def _single_sample(setup: AttackSetup, gate: ModelGate) -> Reconstruction:
     if selection.perfect:
         assembled, check = setup.assemble_and_check(selection)
         certified = torch.zeros(1, dtype=torch.bool, device=factor.device)
-        verdict = judge(selection, factor, certified, assembled, check, setup.tol, gate, setup.resolvable)
+        output_side = setup.options.sparsity == "output"
+        verdict = judge(
+            selection,
+            factor,
+            certified,
+            assembled,
+            check,
+            setup.tol,
+            gate,
+            setup.resolvable,
+            output_side=output_side,
+        )
     return finish(setup, selection, verdict, gate, _no_peeled(setup), None, "trivial")
 
 

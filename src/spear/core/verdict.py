@@ -319,6 +319,7 @@ def judge(
     trusted: torch.Tensor | None = None,
     data_precision: torch.Tensor | None = None,
     explained: torch.Tensor | None = None,
+    output_side: bool = True,
 ) -> Verdict:
     """The verdict on ``selection`` (whose columns ``certified`` were peeled and certified one
     by one), given its assembled inputs and full-width dL/dZ and their gradient check.
@@ -338,7 +339,10 @@ def judge(
     sample's rounding in the data, for its loss weight's precision (:func:`weight_tolerances`).
     ``explained`` (b,): the misfit each column's rounding explains (:func:`explained_misfits`);
     a column whose best label fits within it but over its tolerance is not rejected: the batch
-    stays unverified, and the column stays in the pool."""
+    stays unverified, and the column stays in the pool. ``output_side``: the layer's own ReLU
+    follows it and the selection's zero sets are its patterns (output mode), which lets a
+    saturated sample without a twin count (:func:`saturation_ambiguous`); in input mode every
+    saturated sample is ambiguous."""
     inputs, grad_outputs = assembled
     zero = zero_mask((sparse_factor @ selection.Qbar).T, tol.zero_rtol)
     determinacy = ambiguous_groups(sparse_factor, selection.Qbar.T, zero, certified, pinned, tol.zero_rtol)
@@ -358,8 +362,10 @@ def judge(
         spared = unrefuted(cert, sample_rtol, explained)
         weight_precision = WEIGHT_PRECISION * weight_rtol
         invariant = getattr(gate.certifier, "scale_invariant", None)
-        ambiguous = saturation_ambiguous(
-            cert, determinacy.groups, None if invariant is None else invariant(inputs)
+        ambiguous = (
+            saturation_ambiguous(cert, determinacy.groups, None if invariant is None else invariant(inputs))
+            if output_side
+            else cert.saturated
         )
         _judge_by_model(verdict, cert, pinned, weight_precision, gate.trusted, clients, spared, ambiguous)
         faint = (sample_rtol > tol.verify_rtol).nonzero()[:, 0].tolist()

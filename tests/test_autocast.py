@@ -171,3 +171,26 @@ def test_the_certificate_tolerance_grows_with_a_half_precision_tail():
     assert spear.api.certificate_rtol(torch.nn.Sequential(torch.nn.ReLU()), torch.bfloat16) == pytest.approx(
         10 * torch.finfo(torch.bfloat16).eps
     )
+
+
+@pytest.mark.parametrize(("dtype", "b", "seed"), [(torch.float64, 8, 0), (torch.float32, 16, 4)])
+def test_saturated_twins_merged_alike_stay_unverified_in_full_precision(dtype, b, seed):
+    """A review's batch: a confidently wrong network (last layer x 5000), every sample with a
+    twin (plus 1e-3 noise, its label, its pattern). Each pair merges into one column at its
+    midpoint, all weights alike: read as b/2 samples. In float32 and float64 saturation stays a
+    bar to the batch (the relaxation is for half precision, where it reads on every sample):
+    unverified, as before."""
+    model = spear.fl.fully_connected(50, 200, 3, 10, seed=seed, dtype=dtype)
+    with torch.no_grad():
+        model[4].weight.mul_(5000)
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(b, 50, generator=g, dtype=torch.float64).to(dtype)
+    x[1::2] = x[0::2] + 1e-3 * torch.randn(b // 2, 50, generator=g, dtype=torch.float64).to(dtype)
+    with torch.no_grad():
+        y = (model(x).argmax(1) + 1) % 10
+    y[1::2] = y[0::2]
+    loss = torch.nn.functional.cross_entropy(model(x), y)
+    names = [n for n, _ in model.named_parameters()]
+    grads = dict(zip(names, torch.autograd.grad(loss, list(model.parameters())), strict=True))
+    rec = spear.attack_layer(model, "0", grads, seed=0, max_proposals=20_000)
+    assert not rec.verified and "saturated" in rec.message

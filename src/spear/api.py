@@ -582,7 +582,10 @@ def attack_layer(
         saturation = SATURATION_EPS * torch.finfo(dtype).eps
         # a tolerance the user set is theirs: the verdict's precision audit then stays off
         client_dtype = dtype if precision_audit and not options.get("verify_rtol") else None
-        certifier = ModelCertifier(tail, module.weight, module.bias, rtol, loss, saturation, client_dtype)
+        half = torch.finfo(dtype).eps > torch.finfo(torch.float32).eps
+        certifier = ModelCertifier(
+            tail, module.weight, module.bias, rtol, loss, saturation, client_dtype, half_precision=half
+        )
         if sample_weights is not None:
             _check_first_layer(model, layer, "sample_weights")
             certifier = WeightedCertifier(certifier, model, sample_weights)

@@ -159,6 +159,10 @@ class ModelCertifier:
             ``Z_RTOL_FRACTION * rtol``. A float32 first layer of width 4000 had a sample with
             one pre-activation at -3e-8 of its largest where the client's was positive: its
             column's entry there, 0.45 of the largest, failed the fit at 0.45.
+        half_precision: the columns were computed in float16 or bfloat16 (a client under
+            autocast): the saturation threshold (1e3 eps, about 1 there) then reads on nearly
+            every sample, and the verdict counts saturation only where another sample of the
+            batch can hide in a column (:func:`spear.core.verdict.saturation_ambiguous`).
     """
 
     accepts_sample_rtol = True
@@ -173,7 +177,9 @@ class ModelCertifier:
         saturation: float = 0.0,
         source_dtype: torch.dtype | None = None,
         z_rtol: float | None = None,
+        half_precision: bool = False,
     ) -> None:
+        self.half_precision = half_precision
         self.source_eps = None if source_dtype is None else torch.finfo(source_dtype).eps
         self.models_rounding = isinstance(loss, str) and source_dtype is not None
         if isinstance(loss, str):
@@ -516,6 +522,10 @@ class WeightedCertifier:
         """The inner certificate's (:meth:`ModelCertifier.weight_sensitivity`): a sample's
         weight scales its column, not how it moves."""
         return self.inner.weight_sensitivity(inputs, labels)
+
+    @property
+    def half_precision(self) -> bool:
+        return self.inner.half_precision
 
     def scale_invariant(self, inputs: torch.Tensor) -> torch.Tensor:
         """The inner certificate's (:meth:`ModelCertifier.scale_invariant`): the layer's."""

@@ -362,9 +362,10 @@ def judge(
         spared = unrefuted(cert, sample_rtol, explained)
         weight_precision = WEIGHT_PRECISION * weight_rtol
         invariant = getattr(gate.certifier, "scale_invariant", None)
+        relaxed = output_side and bool(getattr(gate.certifier, "half_precision", False))
         ambiguous = (
             saturation_ambiguous(cert, determinacy.groups, None if invariant is None else invariant(inputs))
-            if output_side
+            if relaxed
             else cert.saturated
         )
         _judge_by_model(verdict, cert, pinned, weight_precision, gate.trusted, clients, spared, ambiguous)
@@ -681,6 +682,15 @@ def unrefuted(
     return ~cert.ok.cpu() & (misfit > sample_rtol) & (misfit <= bound)
 
 
+#: what a half-precision batch verified with saturated samples cannot rule out
+MERGED_TWINS_NOTE = (
+    "the losses of saturated samples (float16 / bfloat16: nearly all) hardly move with their "
+    "inputs: had every sample a twin of its label and activation pattern, each pair would merge "
+    "into one column at their midpoint, all with one weight, and read as a batch of half the "
+    "size; compare client_batch_size with the batch size the client reported"
+)
+
+
 def saturation_ambiguous(
     cert: SampleCertificates,
     groups: tuple[tuple[int, ...], ...],
@@ -808,6 +818,8 @@ def _judge_by_model(
         )
     if not verdict.problems:
         verdict.verified_by = "model"
+        if bool(cert.saturated.any()):
+            verdict.notes.append(MERGED_TWINS_NOTE)
         if reduction.client_sizes is not None:
             verdict.notes.append(aggregate_note(reduction.client_sizes, clients))
         if not bool(strong.all()):

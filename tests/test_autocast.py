@@ -77,6 +77,7 @@ def test_an_autocast_client_is_verified_to_its_arithmetic(dtype, b, seed, monkey
     error = _errors(rec, X)
     assert bool((error < 10 * torch.finfo(dtype).eps).all()), error.max()  # the verification tolerance
     assert bool((error <= rec.input_precision.double()).all())  # within each stated precision
+    assert any("compare client_batch_size" in note for note in rec.notes)  # what it cannot see
     monkeypatch.setattr(spear.api, "FEWEST_TELLING_ENTRIES", 10**12)  # the container's dtype
     assert not spear.attack_layer(model, "0", grads, seed=0, max_proposals=20_000).verified
 

@@ -130,7 +130,7 @@ def test_float16_twins_are_not_verified():
     model = _network()
     grads = FedSGD(autocast=torch.float16).client_update(model, X, y)
     rec = spear.attack_layer(model, "0", grads, seed=0, max_proposals=20_000)
-    assert not rec.verified and "shares (nearly) one activation pattern" in rec.message
+    assert not rec.verified and "samples sharing such a pattern and label (a twin" in rec.message
     # the other 14 are certified one by one (a discriminative fit, no twin), the pair is not
     D = torch.cdist(rec.certified_inputs.double(), X.double())
     assert sorted(D.argmin(dim=1).tolist()) == list(range(2, 16))

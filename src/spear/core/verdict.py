@@ -712,7 +712,11 @@ def saturation_ambiguous(
     with a sample of another label, a column no single label's gradient fits; and copies whose
     pattern changes with their scale (a bias crossing zero) leave a merged column that misfits
     where it changed. float16 and bfloat16 gradients make nearly every sample read as
-    saturated (1e3 eps is about 1): this is what lets their batches verify."""
+    saturated (1e3 eps is about 1): this is what lets their batches verify (:func:`judge` uses
+    it for half-precision columns only). What no twin shows: near-duplicate twins merged into
+    one column, every sample alike (a review's float64 batch verified at half its size); in
+    half precision the result notes it (``MERGED_TWINS_NOTE``), in float32 and float64 every
+    saturated sample stays ambiguous."""
     twinned = torch.zeros_like(cert.ok)
     labels = cert.labels.tolist()
     for group in groups:
@@ -760,10 +764,9 @@ def _judge_by_model(
         verdict.problems.append(
             f"the loss of sample(s) {saturated} is saturated at the gradient's precision (their "
             "gradient changes with the input, inside its activation region, by less than 1e3 eps of "
-            "the gradient's dtype), and each shares (nearly) one activation pattern with another "
-            "sample of its label, or with its own scaled copies (no bias changes a sign of theirs "
-            "outside the sign-less band, as in a zero-bias layer): such samples have one gradient at "
-            "that precision, so a column may stand for several of them"
+            "the gradient's dtype): samples sharing such a pattern and label (a twin, scaled copies "
+            "under a layer whose biases change no sign, near-duplicates) have one gradient at that "
+            "precision, so a column may stand for a mixture or a merge of them"
         )
     # a saturated sample that no other can hide in is judged by its fit as an unsaturated one is
     strong = cert.strong | (cert.saturated & ~ambiguous & cert.discriminative)

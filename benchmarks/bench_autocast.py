@@ -33,11 +33,11 @@ from common import certified_count, machine, median, relative_error, run_setting
 from spear.data import load_dataset
 from spear.fl import fully_connected, simulate_round
 from spear.fl.protocols import FedSGD
+from spear.fl.protocols.fedsgd import AUTOCAST
 from spear.metrics.evaluate import match_samples
 
-DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
 #: the verification tolerance of each autocast dtype (10 eps), relative to the input's largest entry
-RTOL = {name: 10 * torch.finfo(dtype).eps for name, dtype in DTYPES.items()}
+RTOL = {name: 10 * torch.finfo(dtype).eps for name, dtype in AUTOCAST.items()}
 
 
 def precision_ratio(rec, inputs: torch.Tensor) -> float | None:
@@ -54,7 +54,7 @@ def precision_ratio(rec, inputs: torch.Tensor) -> float | None:
 
 def one(dataset, dtype_name: str, width: int, b: int, seed: int, budget: float) -> dict:
     model = fully_connected(dataset.features, width, 6, dataset.classes, seed=seed, dtype=torch.float32)
-    view, truth = simulate_round(model, dataset, b, FedSGD(autocast=DTYPES[dtype_name]), seed=seed)
+    view, truth = simulate_round(model, dataset, b, FedSGD(autocast=AUTOCAST[dtype_name]), seed=seed)
     start = time.perf_counter()
     try:
         rec = spear.attack_layer(view.model, "0", view.gradients, seed=seed, time_budget=budget)
@@ -80,7 +80,7 @@ def one(dataset, dtype_name: str, width: int, b: int, seed: int, budget: float) 
 def main() -> None:
     formatter = argparse.RawDescriptionHelpFormatter
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=formatter)
-    parser.add_argument("--dtypes", nargs="+", default=list(DTYPES), choices=list(DTYPES))
+    parser.add_argument("--dtypes", nargs="+", default=list(AUTOCAST), choices=list(AUTOCAST))
     parser.add_argument("--width", type=int, default=500)
     parser.add_argument("--batch-sizes", nargs="+", type=int, default=[8, 16, 32, 64])
     parser.add_argument("--seeds", type=int, default=3)

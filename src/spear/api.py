@@ -448,6 +448,11 @@ def reconstruct(
         )
 
 
+def half_precision(dtype: torch.dtype) -> bool:
+    """Whether ``dtype`` rounds coarser than float32 (float16, bfloat16: autocast's)."""
+    return torch.finfo(dtype).eps > torch.finfo(torch.float32).eps
+
+
 def certificate_rtol(tail: torch.nn.Module, dtype: torch.dtype) -> float:
     """The model certificate's misfit tolerance for a client that computed in ``dtype``: the
     dtype's verification tolerance, and for float16 and bfloat16 that many times the weighted
@@ -456,7 +461,7 @@ def certificate_rtol(tail: torch.nn.Module, dtype: torch.dtype) -> float:
     layer: a bfloat16 client of the 6-layer MLP (MNIST, width 500) sent columns 0.1 to 0.2
     off the float64 model's, 13 to 27 eps, where the next best label missed by 0.96 or more."""
     rtol = Tolerances.for_dtype(dtype).verify_rtol
-    if torch.finfo(dtype).eps <= torch.finfo(torch.float32).eps:
+    if not half_precision(dtype):
         return rtol
     weighted = sum(isinstance(m, (torch.nn.Linear, torch.nn.modules.conv._ConvNd)) for m in tail.modules())
     return rtol * max(1, weighted)
@@ -582,7 +587,7 @@ def attack_layer(
         saturation = SATURATION_EPS * torch.finfo(dtype).eps
         # a tolerance the user set is theirs: the verdict's precision audit then stays off
         client_dtype = dtype if precision_audit and not options.get("verify_rtol") else None
-        half = torch.finfo(dtype).eps > torch.finfo(torch.float32).eps
+        half = half_precision(dtype)
         certifier = ModelCertifier(
             tail, module.weight, module.bias, rtol, loss, saturation, client_dtype, half_precision=half
         )

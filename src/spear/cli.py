@@ -84,8 +84,9 @@ def _settings(**options):
     from spear.core.proposers import PROPOSERS
     from spear.data import DATASETS
     from spear.experiments import ExperimentSettings
-    from spear.experiments.run import AUTOCAST, DTYPES
+    from spear.experiments.run import DTYPES
     from spear.fl import MODELS
+    from spear.fl.protocols.fedsgd import AUTOCAST
 
     dataset, batch_size, width = options["dataset"].lower(), options["batch_size"], options["width"]
     if dataset not in DATASETS:

@@ -28,6 +28,7 @@ from spear.fl import (
     pretrain,
     simulate_round,
 )
+from spear.fl.protocols.fedsgd import AUTOCAST
 from spear.fl.replay import replay_layer
 from spear.inversion import Inversion, InversionSettings, RowSpaceInverter, invert_to_inputs
 from spear.inversion.base import acting_layers_below
@@ -69,7 +70,8 @@ class ExperimentSettings:
     #: the attacked Linear layer's module name; None: the model's first Linear (for the CNN the
     #: layer whose inputs are the conv features)
     layer: str | None = None
-    #: the client's mixed precision (:data:`AUTOCAST`): "float16" or "bfloat16", a FedSGD client
+    #: the client's mixed precision (:data:`spear.fl.protocols.fedsgd.AUTOCAST`): "float16" or
+    #: "bfloat16", a FedSGD client
     #: of a float32 model under ``torch.autocast``; None: it computes in ``dtype``
     autocast: str | None = None
 
@@ -133,8 +135,6 @@ DTYPES = {"float64": torch.float64, "float32": torch.float32}
 #: float64 clients to 1e-6; float32 clients' own rounding limits recovery to ~1e-5 relative,
 #: so 1e-4 (still 40x finer than an 8-bit image's grid)
 EXACT_ATOL = {torch.float64: 1e-6, torch.float32: 1e-4, torch.float16: 1e-2, torch.bfloat16: 1e-1}
-#: the mixed precisions a FedSGD client may compute in (``ExperimentSettings.autocast``)
-AUTOCAST = {"float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
 @dataclass

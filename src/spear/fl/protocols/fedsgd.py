@@ -12,8 +12,8 @@ from torch import nn
 from spear.errors import InputError
 from spear.fl.protocols.base import Protocol
 
-#: the dtypes a client's mixed precision computes in (``torch.autocast``)
-AUTOCAST_DTYPES = (torch.float16, torch.bfloat16)
+#: the dtypes a client's mixed precision computes in (``torch.autocast``), by name
+AUTOCAST = {"float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
 @dataclass
@@ -30,7 +30,7 @@ class FedSGD(Protocol):
     name: ClassVar[str] = "fedsgd"
 
     def __post_init__(self) -> None:
-        if self.autocast is not None and self.autocast not in AUTOCAST_DTYPES:
+        if self.autocast is not None and self.autocast not in AUTOCAST.values():
             raise InputError(
                 f"autocast must be torch.float16, torch.bfloat16 or None (got {self.autocast}); "
                 "a client without mixed precision computes in the model's dtype"
@@ -39,7 +39,8 @@ class FedSGD(Protocol):
     def settings(self) -> dict[str, Any]:
         if self.autocast is None:
             return super().settings()
-        return {**super().settings(), "autocast": str(self.autocast).removeprefix("torch.")}
+        name = next(name for name, dtype in AUTOCAST.items() if dtype == self.autocast)
+        return {**super().settings(), "autocast": name}
 
     def client_update(
         self, model: nn.Module, inputs: torch.Tensor, labels: torch.Tensor, seed: int = 0

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
+from spear.core.linalg import lstsq
 from spear.core.lowrank import numerical_rank
 
 
@@ -117,7 +118,7 @@ def invert_relu_linear(
         S = torch.linalg.svdvals(A)
         if float(S[-1]) <= 0:
             continue
-        r = torch.linalg.lstsq(A, rhs.unsqueeze(1)).solution[:, 0]
+        r = lstsq(A, rhs.unsqueeze(1))[:, 0]
         x = V.T @ r
         z = W @ x + bias
         on = (z[active[j]] - h[j, active[j]]).abs().amax() if bool(active[j].any()) else z.new_zeros(())

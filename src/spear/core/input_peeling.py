@@ -54,7 +54,7 @@ import torch
 from spear.core.consistency import ZERO_FLOOR_FRACTION
 from spear.core.deadline import NEVER, Deadline
 from spear.core.filtering import largest_on, rounding_floor, zero_mask
-from spear.core.linalg import masked_kernels
+from spear.core.linalg import lstsq, masked_kernels
 from spear.core.peeling import PeelChecks, PeeledSamples, PeelOutcome, peel_chunks
 from spear.core.scale import LayerProblem
 
@@ -342,7 +342,7 @@ class InputSidePeeler:
             kernel = Vh[index, b - SHARED_KERNEL :].T  # (b, 2)
             span = L @ kernel  # (m, 2): the columns vanishing on the inactive rows
             target = predicted[i].T  # (m, C)
-            coefficients = torch.linalg.lstsq(span, target).solution  # (2, C)
+            coefficients = lstsq(span, target)  # (2, C)
             misfit = (span @ coefficients - target).norm(dim=0) / target.norm(dim=0).clamp_min(tiny)
             fits = (misfit <= self.rtol).nonzero()[:, 0]
             if fits.numel() == 1:  # one label only: two or more would not tell the column

@@ -22,6 +22,7 @@ from __future__ import annotations
 import torch
 
 from spear.core.filtering import canonical_sign, zero_mask
+from spear.core.linalg import lstsq
 from spear.core.peeling import PeeledSamples
 from spear.core.scale import LayerProblem
 
@@ -120,7 +121,7 @@ def refine_peeled(problem: LayerProblem, peeled: PeeledSamples) -> PeeledSamples
     sv = torch.linalg.svdvals(system)
     if not bool(sv[-1] > REFINE_CONDITION * sv[0]):
         return None
-    y = torch.linalg.lstsq(system, rows).solution  # (f, b)
+    y = lstsq(system, rows)  # (f, b)
     dot = y @ problem.pinv_grad_bias
     r = y / torch.where(dot.abs() > tiny, dot, torch.ones_like(dot)).unsqueeze(-1)
     q = peeled.directions

@@ -47,7 +47,7 @@ from dataclasses import dataclass
 import torch
 
 from spear.core.deadline import NEVER, Deadline
-from spear.core.linalg import gram_ridge, row_products
+from spear.core.linalg import gram_ridge, lstsq, row_products
 from spear.core.proposers.base import (
     DirectionProposer,
     ProposalBatch,
@@ -751,7 +751,7 @@ class MaskedSubspaceProposer(DirectionProposer):
         columns = torch.cat(found) if found else ctx.L.new_zeros(0, ctx.rows)
         if columns.shape[0] == 0:
             return ctx.L.new_zeros(0, ctx.batch_size)
-        return torch.linalg.lstsq(ctx.L, columns.T).solution.T
+        return lstsq(ctx.L, columns.T).T
 
 
 __all__ = ["MaskedSubspaceProposer", "PatternSearch", "applicable", "explain_away"]

@@ -49,10 +49,15 @@ def _network():
     )
 
 
-def _autocast_client(dtype, b, seed):
+def _batch(b, seed):
+    """b sparse inputs in [0, 1] and labels; then the global generator draws the network."""
     torch.manual_seed(seed)
     X = torch.rand(b, 100) * (torch.rand(b, 100) > 0.3)
-    y = torch.randint(0, 10, (b,))
+    return X, torch.randint(0, 10, (b,))
+
+
+def _autocast_client(dtype, b, seed):
+    X, y = _batch(b, seed)
     model = _network()
     grads = FedSGD(autocast=dtype).client_update(model, X, y)
     assert all(g.dtype == torch.float32 for g in grads.values())  # AMP keeps the parameters' dtype
@@ -195,3 +200,44 @@ def test_saturated_twins_merged_alike_stay_unverified_in_full_precision(dtype, b
     grads = dict(zip(names, torch.autograd.grad(loss, list(model.parameters())), strict=True))
     rec = spear.attack_layer(model, "0", grads, seed=0, max_proposals=20_000)
     assert not rec.verified and "saturated" in rec.message
+
+
+def test_the_cascade_judges_a_mixed_precision_update_in_the_clients_arithmetic(monkeypatch):
+    """A float16 client's whole batch, found exactly, leaves 31 to 33 eps of its update in
+    float64 (ReLUs within float16's rounding of zero switched), over float16's 10 eps: the
+    cascade never called it complete and attacked the rank-1 residual to its last round. In
+    the client's arithmetic (autocast) it leaves under 1 eps. A doubled update stays
+    incomplete: half the batch, weighted 2/16, leaves half of it."""
+    model, grads, X = _autocast_client(torch.float16, 16, 0)
+    eps = torch.finfo(torch.float16).eps
+    found = spear.attack_model(model, grads, seed=0, max_proposals=20_000, max_rounds=3)
+    assert found.complete and found.stop_reason == "complete" and len(found.steps) == 1
+    assert found.residual < eps and found.inputs.shape[0] == 16
+    D = torch.cdist(found.inputs, X)
+    assert bool((D.amin(dim=1) <= 1e-2 * X[D.argmin(dim=1)].norm(dim=1)).all())
+    assert sorted(D.argmin(dim=1).tolist()) == list(range(16))
+    doubled = spear.attack_model(model, {k: 2 * g for k, g in grads.items()}, seed=0, max_proposals=20_000)
+    assert not doubled.complete and doubled.residual > 0.4
+    # the counterfactual: judged in float64 only, the same batch is not complete
+    monkeypatch.setattr(spear.cascade._Cascade, "_left_in_client_arithmetic", lambda self: float("inf"))
+    before = spear.attack_model(model, grads, seed=0, max_proposals=20_000, max_rounds=3)
+    assert not before.complete and before.inputs.shape[0] == 16 and before.residual > 30 * eps
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_per_sample_gradients_in_the_clients_arithmetic_reproduce_its_update(dtype):
+    """``per_sample_gradients(..., autocast=dtype)`` is the client's own computation (the
+    samples in another order, each weighted 1/B): within 0.1 eps of what it sent, where
+    float64 is 31 eps off (float16, a ReLU switched)."""
+    model, grads, X = _autocast_client(dtype, 16, 0)
+    _, y = _batch(16, 0)
+    order = torch.randperm(16, generator=torch.Generator().manual_seed(3))
+    weights = torch.full((16,), 1 / 16, dtype=torch.float64)
+    ours = spear.cascade.per_sample_gradients(model, X[order], y[order], weights, autocast=dtype)
+    eps = torch.finfo(dtype).eps
+    for name, sent in grads.items():
+        assert ours[name].dtype == torch.float32
+        assert float((ours[name] - sent).norm() / sent.norm()) < 0.1 * eps, name
+    if dtype == torch.float16:
+        exact = spear.cascade.per_sample_gradients(model, X, y, weights)
+        assert float((exact["0.weight"] - grads["0.weight"]).norm() / grads["0.weight"].norm()) > 30 * eps

@@ -241,3 +241,41 @@ def test_per_sample_gradients_in_the_clients_arithmetic_reproduce_its_update(dty
     if dtype == torch.float16:
         exact = spear.cascade.per_sample_gradients(model, X, y, weights)
         assert float((exact["0.weight"] - grads["0.weight"]).norm() / grads["0.weight"].norm()) > 30 * eps
+
+
+def test_a_recomputation_that_overflows_explains_nothing():
+    """A review's case: a doubled float32 update of inputs x 1e5, read as float16 (told), half of
+    its samples found (weights 2/16 read 1/8: a batch of 8). Their float16 recomputation
+    overflows to NaN, which ``max`` skipped: the update read as explained and the half batch as
+    complete."""
+    from spear.cascade import _Cascade, _Plan, per_sample_gradients
+
+    X, y = _batch(16, 0)
+    model, X = _network(), X * 1e5
+    doubled = {k: 2 * g for k, g in FedSGD().client_update(model, X, y).items()}
+    weights = torch.full((8,), 1 / 8, dtype=torch.float64)
+    plan = _Plan(["2", "0"], None, None, 1, "cross_entropy", None, {"client_dtype": torch.float16})
+    cascade = _Cascade(model, doubled, plan)
+    cascade.found.add(X[:8].double(), y[:8], weights, "0")
+    for name, taken in per_sample_gradients(model, X[:8], y[:8], weights).items():
+        cascade.residual[name] = cascade.residual[name].double() - taken
+    assert cascade._left_in_client_arithmetic() == float("inf")
+    count = cascade._count()
+    assert count.missing == 0 and not count.explained and not count.complete
+    assert cascade._unexplained() > 0.5
+    with pytest.raises(spear.InputError, match="autocast must be"):
+        per_sample_gradients(model, X[:1], y[:1], weights[:1], autocast=torch.float32)
+
+
+def test_the_cascade_inverts_at_the_clients_precision_whatever_the_container():
+    """The same float16 update in float64 tensors: layer 2's attack verifies its 16 hidden
+    inputs, and the row-space inversion to the data read float64's tolerances off the
+    containers and took none of them (15 of 16 found, by the first layer, incomplete). It takes
+    the client's precision as the cascade read it."""
+    model, grads, X = _autocast_client(torch.float16, 16, 0)
+    wide = {k: g.double() for k, g in grads.items()}
+    found = spear.attack_model(model, wide, ["2", "0"], seed=0, max_proposals=20_000, max_rounds=1)
+    assert found.complete and found.inputs.shape[0] == 16 and found.steps[0].added == 16
+    D = torch.cdist(found.inputs, X)
+    assert sorted(D.argmin(dim=1).tolist()) == list(range(16))
+    assert bool((D.amin(dim=1) <= 1e-2 * X[D.argmin(dim=1)].norm(dim=1)).all())

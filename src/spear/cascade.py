@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import math
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -191,7 +192,10 @@ def per_sample_gradients(
     ``autocast`` (float16 or bfloat16): in the client's mixed-precision arithmetic instead, the
     model in its own dtype under ``torch.autocast``, as an AMP client computes its update. Its
     ReLUs then switch where the client's did: a unit whose pre-activation is within the half
-    dtype's rounding of zero is off in float64 and on at the client (or the reverse)."""
+    dtype's rounding of zero is off in float64 and on at the client (or the reverse). Autocast
+    leaves a float64 model in float64 (as it would the client's)."""
+    if autocast is not None and autocast not in (torch.float16, torch.bfloat16):
+        raise InputError(f"autocast must be torch.float16, torch.bfloat16 or None, got {autocast!r}")
     net = copy.deepcopy(model).eval()
     dtype = next((p.dtype for p in net.parameters()), torch.float64) if autocast else torch.float64
     net = net.to(dtype)
@@ -410,7 +414,8 @@ class _Cascade:
         hidden, labels, weights = samples
         if is_hidden(self.model, layer):
             try:
-                inversion = RowSpaceInverter()(self.model, layer, self.residual, rec)
+                inverter = RowSpaceInverter(source_dtype=self.client_dtype)
+                inversion = inverter(self.model, layer, self.residual, rec)
             except InputError:
                 return 0
             data, exact = inversion.inputs, inversion.exact
@@ -438,12 +443,17 @@ class _Cascade:
         return left
 
     def _largest_relative(self, residual: Mapping[str, torch.Tensor]) -> float:
+        """The largest of the attacked layers' ``|residual| / |update|``; inf where a residual
+        is not finite (a recomputation that overflowed explains nothing: ``max`` would skip
+        its NaN, and a review's float32 client read as float16, half of it found, came out
+        explained and complete)."""
         worst = 0.0
         for layer in self.plan.order:
             key = f"{layer}.weight" if layer else "weight"
             total = float(self.original[key].to(torch.float64).norm())
             if total > 0:
-                worst = max(worst, float(residual[key].to(torch.float64).norm()) / total)
+                ratio = float(residual[key].to(torch.float64).norm()) / total
+                worst = max(worst, ratio) if math.isfinite(ratio) else math.inf
         return worst
 
     def _left_in_client_arithmetic(self) -> float:

@@ -38,8 +38,12 @@ class RowSpaceInverter(Inverter):
 
     name = "row space"
 
-    def __init__(self, rtol: float | None = None) -> None:
+    def __init__(self, rtol: float | None = None, source_dtype: torch.dtype | None = None) -> None:
         self.rtol = rtol
+        #: the precision the client computed in, where the gradients' containers overstate it
+        #: (float16 values in float64 tensors: a review's cascade inverted none of 16 verified
+        #: hidden inputs at float64's tolerances); None: read off the containers
+        self.source_dtype = source_dtype
 
     def applies(self, model: nn.Module, layer: str) -> bool:
         """Pairs of ``Linear -> ReLU`` below ``layer`` (pass-through modules aside), nothing else."""
@@ -77,7 +81,7 @@ class RowSpaceInverter(Inverter):
         missing = [n for n, _ in linears if _key(n) not in gradients]
         if missing:
             raise InputError(f"the update lacks the weight gradients of layers {missing}: they are needed")
-        dtype = _source_dtype(torch.as_tensor(gradients[_key(n)]) for n, _ in linears)
+        dtype = self.source_dtype or _source_dtype(torch.as_tensor(gradients[_key(n)]) for n, _ in linears)
         tol = Tolerances.for_dtype(dtype, verify_rtol=self.rtol)
         inputs = hidden.to(torch.float64)
         exact = torch.ones(inputs.shape[0], dtype=torch.bool)

@@ -232,6 +232,18 @@ def test_an_update_without_every_parameter_is_refused():
         attack_model(model, grads)
 
 
+def test_an_update_with_a_nan_is_refused_up_front():
+    # it was taken, and every attack of every round ended in the layer's own error
+    model = fully_connected(784, 50, 6, seed=0)
+    grads = {name: torch.zeros_like(p) for name, p in model.named_parameters()}
+    grads["4.weight"][0, 0] = float("nan")
+    with pytest.raises(spear.InputError, match=r"gradient of '4\.weight' contains NaN or Inf"):
+        attack_model(model, grads)
+    grads["4.weight"][0, 0] = float("inf")
+    with pytest.raises(spear.InputError, match="contains NaN or Inf"):
+        attack_model(model, [g.numpy() for g in grads.values()])
+
+
 def test_ctrl_c_inside_an_attack_stops_the_cascade_with_its_samples(mnist, monkeypatch):
     import dataclasses
 

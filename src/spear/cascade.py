@@ -298,6 +298,12 @@ def attack_model(
             f"the update lacks the gradients of {missing[:6]}: the cascade subtracts samples from "
             "every parameter, so it needs them all (model.named_parameters() names)"
         )
+    for name, grad in gradients.items():  # else every attack of every round ends in this error
+        tensor = torch.as_tensor(grad)
+        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+            raise InputError(
+                f"the gradient of {name!r} contains NaN or Inf; pass the finite tensors the server received"
+            )
     if attack_budget is None and time_budget is not None:
         attack_budget = time_budget / (2 * len(order))
     plan = _Plan(order, time_budget, attack_budget, max_rounds, loss, progress, options)

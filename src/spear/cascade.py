@@ -34,6 +34,7 @@ import torch
 from torch import nn
 
 from spear.api import (
+    _as_tensor,
     _resolve_device,
     attack_layer,
     budget_threads,
@@ -194,7 +195,9 @@ def per_sample_gradients(
     ReLUs then switch where the client's did: a unit whose pre-activation is within the half
     dtype's rounding of zero is off in float64 and on at the client (or the reverse). Autocast
     leaves a float64 model in float64 (as it would the client's)."""
-    if autocast is not None and autocast not in (torch.float16, torch.bfloat16):
+    from spear.fl.protocols.fedsgd import AUTOCAST  # the simulated clients' own set
+
+    if autocast is not None and autocast not in AUTOCAST.values():
         raise InputError(f"autocast must be torch.float16, torch.bfloat16 or None, got {autocast!r}")
     net = copy.deepcopy(model).eval()
     dtype = next((p.dtype for p in net.parameters()), torch.float64) if autocast else torch.float64
@@ -299,8 +302,7 @@ def attack_model(
             "every parameter, so it needs them all (model.named_parameters() names)"
         )
     for name, grad in gradients.items():  # else every attack of every round ends in this error
-        tensor = torch.as_tensor(grad)
-        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+        if not bool(torch.isfinite(_as_tensor(f"the gradient of {name!r}", grad)).all()):
             raise InputError(
                 f"the gradient of {name!r} contains NaN or Inf; pass the finite tensors the server received"
             )

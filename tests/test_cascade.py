@@ -270,3 +270,76 @@ def test_reconstruct_s_own_keywords_pass_the_up_front_check():
         model, grads, certifier=None, next_weight=None, next_grad_weight=None, max_proposals=0, max_rounds=1
     )
     assert not result.complete
+
+
+def test_a_sample_silent_in_the_attacked_weights_still_counts_against_complete():
+    # a review's batch of 8: one sample's first-layer ReLUs are all off, so it leaves nothing in
+    # 0.weight and 2.weight (the attacked layers) but its share of 2.bias, 4.weight and 4.bias;
+    # the update, scaled by 8/7 (a folded-in learning rate), reads as 7 samples of weight 1/7
+    model = fully_connected(784, 100, 3, seed=0)
+    torch.manual_seed(0)
+    x = torch.randn(8, 784, dtype=torch.float64)
+    first = model[0]
+    x[7] = torch.linalg.lstsq(first.weight.detach(), (-first.bias.detach() - 1)[:, None]).solution[:, 0]
+    y = torch.randint(0, 10, (8,))
+    update = {name: g * (8 / 7) for name, g in fedsgd_gradients(model, x, y).items()}
+    result = attack_model(model, update, max_proposals=20000, seed=0)
+    assert result.inputs.shape[0] == 7 and result.batch_size == 7 and result.missing == 0
+    assert_exact(result.inputs, x[:7], rtol=1e-9)
+    taken = per_sample_gradients(model, result.inputs, result.labels, result.weights)
+    for name in ("0.weight", "2.weight"):  # what the check looked at before: all explained
+        assert (update[name] - taken[name]).norm() < 1e-12 * update[name].norm()
+    assert (update["2.bias"] - taken["2.bias"]).norm() > 0.1 * update["2.bias"].norm()
+    assert not result.complete and result.residual > 0.1
+
+
+def test_gradients_of_the_wrong_shape_or_byte_order_are_read_or_refused_up_front(mnist):
+    # a review: a list in the wrong order came back as an ordinary incomplete result (every
+    # attack's error a step), a transposed weight or a short bias crashed deep in torch, and
+    # big-endian numpy arrays crashed where attack_layer takes them
+    view, truth = deep_mlp_round(mnist, 200, 16, 0)
+    grads = {name: g.numpy() for name, g in view.gradients.items()}
+    result = attack_model(view.model, {k: v.astype(">f8") for k, v in grads.items()}, max_proposals=2000, seed=0)
+    assert result.complete
+    assert_exact(result.inputs, truth.inputs.double(), rtol=1e-9)
+    with pytest.raises(spear.InputError, match=r"'0\.weight' has shape \(10,\) but the parameter has shape"):
+        attack_model(view.model, list(grads.values())[::-1])
+    with pytest.raises(spear.InputError, match=r"'0\.weight' has shape \(784, 200\)"):
+        attack_model(view.model, {**grads, "0.weight": grads["0.weight"].T})
+    with pytest.raises(spear.InputError, match=r"'2\.bias' has shape \(10,\)"):
+        attack_model(view.model, {**grads, "2.bias": grads["2.bias"][:10]})
+    extra = attack_model(view.model, {**grads, "optimizer.step": grads["2.bias"]}, max_proposals=2000, seed=0)
+    assert extra.complete  # keys that are not the model's parameters are not part of the update
+
+
+def test_a_secure_aggregate_completes_with_each_client_s_weight(mnist):
+    # a review: a verified aggregate of 2 clients x 4 samples was subtracted with weight 1 (no
+    # single client size), leaving 3x the update, and the cascade never called it complete
+    from spear.fl import simulate_round
+
+    model = fully_connected(784, 200, 3, seed=0)
+    view, truth = simulate_round(model, mnist, 4, seed=0, clients=2)
+    result = attack_model(view.model, view.gradients, clients=2, max_proposals=20000, seed=0)
+    assert result.complete and result.batch_size == 8 and result.missing == 0 and result.residual < 1e-12
+    assert_exact(result.inputs, truth.inputs.double(), rtol=1e-9)
+    _assert_labels(result, truth)
+    assert torch.allclose(result.weights, torch.full((8,), 0.25, dtype=torch.float64), rtol=1e-9)
+    alone = attack_model(view.model, view.gradients, max_proposals=20000, seed=0)
+    assert not alone.complete  # read as one client, the weights 1/4 count a batch of 4
+    three = fully_connected(784, 200, 3, seed=1)
+    view3, _ = simulate_round(three, mnist, 4, seed=1, clients=3)
+    told_two = attack_model(view3.model, view3.gradients, clients=2, max_proposals=20000, seed=1)
+    assert not told_two.complete  # 12 samples of weight 1/4 need 3 clients
+
+
+def test_a_model_without_a_usable_layer_is_named_as_such():
+    # it blamed "layers []" though none were passed
+    from spear.fl import small_cnn
+
+    cnn = small_cnn((1, 12, 12), hidden=32, seed=0)
+    grads = {name: torch.zeros_like(p) for name, p in cnn.named_parameters()}
+    with pytest.raises(spear.InputError, match="Sequential has no layer the cascade can attack.*attack_layer"):
+        attack_model(cnn, grads)
+    tanh = nn.Sequential(nn.Linear(8, 6), nn.Tanh(), nn.Linear(6, 3)).double()
+    with pytest.raises(spear.InputError, match="no layer the cascade can attack"):
+        attack_model(tanh, [torch.zeros_like(p) for p in tanh.parameters()])

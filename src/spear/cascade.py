@@ -17,7 +17,7 @@ each one is proven on its own. A wrong subtraction could only hide samples from 
 it cannot make them certify a wrong one (each is certified against the model on its own). The
 result is ``complete`` when the samples found are the whole batch: their certified loss
 weights ``1/B`` give the client's batch size B, B distinct samples of that weight were found,
-and they explain every attacked layer's gradient (:class:`_Count`).
+and they explain the gradient of every parameter (:class:`_Count`).
 """
 
 from __future__ import annotations
@@ -46,14 +46,14 @@ from spear.api import (
     warn_if_oversubscribed,
 )
 from spear.certify import LossFn, _cross_entropy
-from spear.core.certificate import infer_reduction
+from spear.core.certificate import BatchReduction, aggregate_multiples, infer_aggregate, infer_reduction
 from spear.core.consistency import Tolerances
 from spear.core.result import Reconstruction
 from spear.errors import InputError, SpearError
 from spear.inversion.base import acting_layers_below
 from spear.inversion.row_space import RowSpaceInverter
 
-#: the update counts as explained when every attacked layer's residual is within this of its
+#: the update counts as explained when every parameter's residual is within this of its
 #: gradient: the verification tolerance in float64; in float32 above the 2.8e-3 that one ReLU
 #: flipped at zero leaves (see :class:`_Count`), far below one sample's share of a batch
 EXPLAINED_RTOL = {torch.float64: 1e-8, torch.float32: 1e-2}
@@ -85,10 +85,12 @@ class CascadeResult:
             certified weights (a batch mean), explaining the update (see :class:`_Count`).
             Samples whose loss gradient is zero leave no trace, count as ``missing``, and keep
             it False. A column of k >= 2 samples' weight is subtracted but not in ``inputs``.
-        residual: the largest relative norm, over the attacked layers' weight gradients, of
-            the gradient the found samples leave unexplained (float32 samples can flip a ReLU
+        residual: the largest relative norm, over the gradients of every parameter, of the
+            gradient the found samples leave unexplained (float32 samples can flip a ReLU
             that sits at zero, see :class:`_Count`).
-        batch_size: the client's batch size B read off the weights (a mean), or None.
+        batch_size: the client's batch size B read off the weights (a mean), or None; under
+            secure aggregation (``clients=K``, weights ``1/B_k`` of each sample's own client)
+            the K clients' samples together.
         missing: B minus the samples found (with multiplicity), or None.
         steps: one :class:`CascadeStep` per attack, in order.
         stop_reason: "complete", "explained" (nothing left in the gradients, but samples
@@ -287,6 +289,13 @@ def attack_model(
             f"layers must be a list of module names, e.g. [{layers!r}], not the string {layers!r}"
         )
     usable = cascade_layers(model)
+    if not usable:
+        raise InputError(
+            f"{type(model).__name__} has no layer the cascade can attack: it needs an nn.Sequential "
+            "(nested ones too) of Linear layers, each followed by a ReLU, from the data up (a CNN's "
+            "convolutions, other activations or a custom forward() stop it); attack one layer with "
+            "spear.attack_layer instead"
+        )
     order = list(usable if layers is None else layers)
     unusable = [name for name in order if name not in usable]
     if unusable or not order:
@@ -301,16 +310,39 @@ def attack_model(
             f"the update lacks the gradients of {missing[:6]}: the cascade subtracts samples from "
             "every parameter, so it needs them all (model.named_parameters() names)"
         )
-    for name, grad in gradients.items():  # else every attack of every round ends in this error
-        if not bool(torch.isfinite(_as_tensor(f"the gradient of {name!r}", grad)).all()):
-            raise InputError(
-                f"the gradient of {name!r} contains NaN or Inf; pass the finite tensors the server received"
-            )
+    gradients = _checked_tensors(model, gradients)
     if attack_budget is None and time_budget is not None:
         attack_budget = time_budget / (2 * len(order))
     plan = _Plan(order, time_budget, attack_budget, max_rounds, loss, progress, options)
     with budget_threads(time_budget if time_budget is not None else attack_budget):
         return _Cascade(model, gradients, plan).run()
+
+
+def _checked_tensors(model: nn.Module, gradients: Mapping[str, Any]) -> dict[str, torch.Tensor]:
+    """The gradients of the model's parameters as tensors (:func:`spear.api._as_tensor`: numpy
+    of any byte order, clear errors for sparse, meta or non-float values), each of its
+    parameter's shape and finite; other keys (optimizer state, buffers) are left out.
+    Checked up front: the cascade subtracts from every parameter, and a bad one would end every
+    attack of every round in its own error (a list in the wrong order), or crash deep in torch
+    (a transposed weight, a bias of the wrong length)."""
+    shapes = dict(model.named_parameters())
+    tensors = {}
+    for name, grad in gradients.items():
+        if name not in shapes:  # not the model's (optimizer state, buffers): not the update's
+            continue
+        tensor = _as_tensor(f"the gradient of {name!r}", grad)
+        if tuple(tensor.shape) != tuple(shapes[name].shape):
+            raise InputError(
+                f"the gradient of {name!r} has shape {tuple(tensor.shape)} but the parameter has shape "
+                f"{tuple(shapes[name].shape)}; pass each parameter's own gradient (a list goes in "
+                "model.parameters() order)"
+            )
+        if not bool(torch.isfinite(tensor).all()):
+            raise InputError(
+                f"the gradient of {name!r} contains NaN or Inf; pass the finite tensors the server received"
+            )
+        tensors[name] = tensor
+    return tensors
 
 
 @dataclass(frozen=True)
@@ -333,10 +365,10 @@ class _Plan:
 class _Cascade:
     """The state of one :func:`attack_model` run: the gradient left and the samples found."""
 
-    def __init__(self, model: nn.Module, gradients: Mapping[str, Any], plan: _Plan) -> None:
+    def __init__(self, model: nn.Module, gradients: Mapping[str, torch.Tensor], plan: _Plan) -> None:
         self.model = model
         self.plan = plan
-        self.original = {k: torch.as_tensor(v).detach() for k, v in gradients.items()}
+        self.original = {k: v.detach() for k, v in gradients.items()}
         self.residual = dict(self.original)
         self.found = _Found()
         self.steps: list[CascadeStep] = []
@@ -451,17 +483,23 @@ class _Cascade:
         return left
 
     def _largest_relative(self, residual: Mapping[str, torch.Tensor]) -> float:
-        """The largest of the attacked layers' ``|residual| / |update|``; inf where a residual
-        is not finite (a recomputation that overflowed explains nothing: ``max`` would skip
-        its NaN, and a review's float32 client read as float16, half of it found, came out
-        explained and complete)."""
+        """The largest ``|residual| / |update|`` over every parameter of the model, biases and
+        the layers the cascade does not attack included: a sample whose first-layer ReLUs are
+        all off leaves nothing in the attacked weights but its share of every later bias and of
+        the head (a review's update scaled by 8/7 with such a sample among 8 read as a complete
+        batch of 7 while the attacked weights alone were checked). A parameter the client sent
+        as exactly zero explains only an exactly zero residual. inf where a residual is not
+        finite (a recomputation that overflowed explains nothing: ``max`` would skip its NaN,
+        and a review's float32 client read as float16, half of it found, came out explained
+        and complete)."""
         worst = 0.0
-        for layer in self.plan.order:
-            key = f"{layer}.weight" if layer else "weight"
-            total = float(self.original[key].to(torch.float64).norm())
-            if total > 0:
-                ratio = float(residual[key].to(torch.float64).norm()) / total
-                worst = max(worst, ratio) if math.isfinite(ratio) else math.inf
+        for key, sent in self.original.items():
+            total = float(sent.to(torch.float64).norm())
+            left = float(residual[key].to(torch.float64).norm())
+            if not math.isfinite(left):
+                return math.inf
+            if left > 0:
+                worst = max(worst, left / total if total > 0 else math.inf)
         return worst
 
     def _left_in_client_arithmetic(self) -> float:
@@ -493,11 +531,21 @@ class _Cascade:
         explained = self._unexplained() <= self.explained_rtol
         if not weights.numel():
             return _Count(None, None, torch.empty(0, dtype=torch.long), True, explained)
-        reduction = infer_reduction(weights, self.tol.verify_rtol)
+        clients = int(self.plan.options.get("clients") or 1)
+        if clients > 1 and aggregate_multiples(weights, self.tol.verify_rtol):
+            # a sample repeated in its client, or one of a smaller client: not determined
+            reduction = BatchReduction(None, None, None)
+        elif clients > 1:
+            reduction = infer_aggregate(weights, clients, self.tol.verify_rtol)
+        else:
+            reduction = infer_reduction(weights, self.tol.verify_rtol)
         gaps = torch.cdist(inputs, inputs, compute_mode="donot_use_mm_for_euclid_dist")
         gaps.fill_diagonal_(torch.inf)
         distinct = bool((gaps > self.tol.verify_rtol * inputs.norm(dim=1, keepdim=True)).all())
-        return _Count(reduction.batch_size, reduction.missing, reduction.multiplicities, distinct, explained)
+        batch_size = reduction.batch_size
+        if clients > 1 and reduction.missing is not None:  # the K clients' samples together
+            batch_size = int(weights.numel()) + reduction.missing
+        return _Count(batch_size, reduction.missing, reduction.multiplicities, distinct, explained)
 
     def _result(self, reason: str) -> CascadeResult:
         inputs, labels, weights = self.found.stacked(self.width)
@@ -529,7 +577,7 @@ class _Count:
     Each found sample is certified with its loss weight ``k_j / B`` (a batch mean), so B is
     read off the weights, and the batch is whole when B distinct samples of weight ``1/B`` were
     found (``missing == 0``, every ``k_j == 1``) *and* they explain the update (``explained``:
-    every attacked layer's gradient minus theirs within ``EXPLAINED_RTOL`` of it). The weights
+    every parameter's gradient minus theirs within ``EXPLAINED_RTOL`` of it). The weights
     alone do not prove it: an update scaled by c (a learning rate, a sum loss) reads as a batch
     of B/c, and a column of weight 2/B can be two samples' mean (samples differing in a layer's
     null space). The residual alone does not either: a faint sample left unfound leaves
@@ -555,12 +603,22 @@ class _Count:
 
 def _proven_samples(rec: Reconstruction) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
     """The attack's proven samples with labels and loss weights: the verified batch, else the
-    certified samples (the order :class:`RowSpaceInverter` inverts them in); None without."""
+    certified samples (the order :class:`RowSpaceInverter` inverts them in); None without.
+    A verified batch's weights are ``k_j / B`` for one client's mean, ``k_j`` for a sum, and
+    ``1 / B_k`` of each sample's own client under secure aggregation (``client_sizes``: with a
+    weight of 1, a review's two clients of 4 samples were subtracted four times over and the
+    cascade never read them as complete)."""
     if rec.verified and rec.inputs is not None:
         if rec.labels is None or rec.multiplicities is None or rec.reduction is None:
             return None
-        scale = 1.0 / rec.client_batch_size if rec.reduction == "mean" and rec.client_batch_size else 1.0
-        return rec.inputs, rec.labels, rec.multiplicities.to(torch.float64) * scale
+        counts = rec.multiplicities.to(torch.float64)
+        if rec.client_sizes is not None:
+            return rec.inputs, rec.labels, counts / rec.client_sizes.to(counts)
+        if rec.reduction == "sum":
+            return rec.inputs, rec.labels, counts
+        if rec.reduction != "mean" or not rec.client_batch_size:
+            return None
+        return rec.inputs, rec.labels, counts / rec.client_batch_size
     if rec.certified_inputs is None or rec.certified_labels is None or rec.certified_weights is None:
         return None
     return rec.certified_inputs, rec.certified_labels, rec.certified_weights

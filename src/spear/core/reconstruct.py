@@ -1847,6 +1847,7 @@ def finish(
         reduction=verdict.reduction.reduction,
         client_batch_size=verdict.reduction.batch_size,
         missing_samples=verdict.reduction.missing,
+        client_sizes=verdict.reduction.client_sizes,
         verified_by=verdict.verified_by,
         consistent=verdict.consistent,
         ambiguous=verdict.determinacy.groups,

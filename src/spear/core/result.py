@@ -153,6 +153,8 @@ class Reconstruction:
             the loss weight 1/B) and how many of its samples left no trace in this layer (every
             neuron inactive for them, or gradients below the others' rounding on neurons the
             others activate too: no attack on this layer can see them).
+        client_sizes: (b,) under secure aggregation (``clients`` > 1), each sample's own
+            client's batch size B_k, read off its loss weight 1/B_k; None for one client.
         consistent: the gradients are reproduced and sigma = 1 (necessary, not sufficient), or
             sigma < 1 only for silent entries the model explains (then ``consistent_directions``
             < b and ``notes`` say so; :func:`spear.core.verdict.model_explains_silent`).
@@ -206,6 +208,7 @@ class Reconstruction:
     notes: tuple[str, ...] = ()
     client_batch_size: int | None = None
     missing_samples: int | None = None
+    client_sizes: torch.Tensor | None = None
     input_precision: torch.Tensor | None = None
     certified_precision: torch.Tensor | None = None
 
@@ -239,6 +242,7 @@ class Reconstruction:
             "reduction": self.reduction,
             "client_batch_size": self.client_batch_size,
             "missing_samples": self.missing_samples,
+            "client_sizes": listed(self.client_sizes),
             "ambiguous": [list(g) for g in self.ambiguous],
             "input_precision": None
             if self.input_precision is None

@@ -343,8 +343,14 @@ def test_bad_protocol_settings_give_clear_errors(mnist):
         DPSGD(noise_multiplier=-1.0)
     with pytest.raises(InputError, match="clipping norm must be a finite number > 0"):
         DPSGD(max_grad_norm=0.0)
-    with pytest.raises(InputError, match="number of clients"):
+    with pytest.raises(InputError, match="clients must be >= 1, got 0"):
         simulate_round(model, mnist, 4, clients=0)
+    for odd in (2.5, True):  # 2.5 failed deep in the sampler; True read as one client
+        with pytest.raises(InputError, match="clients must be an integer"):
+            simulate_round(model, mnist, 4, clients=odd)
+    five = fully_connected(mnist.features, 60, 3, 5, seed=0)  # a label of 6 failed in the loss
+    with pytest.raises(InputError, match="the model has 5 outputs but mnist has 10 classes"):
+        simulate_round(five, mnist, 4)
 
 
 runner = CliRunner()

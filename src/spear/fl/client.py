@@ -145,6 +145,17 @@ def _check_input_size(model: nn.Module, dataset: ImageDataset) -> None:
         )
 
 
+def _check_classes(model: nn.Module, dataset: ImageDataset) -> None:
+    """A clear error when the model's last Linear has fewer outputs than the data set has
+    classes (a label beyond them fails deep in the loss)."""
+    last = next((m for m in reversed(list(model.modules())) if not isinstance(m, nn.Sequential)), None)
+    if isinstance(last, nn.Linear) and last.out_features < dataset.classes:
+        raise InputError(
+            f"the model has {last.out_features} outputs but {dataset.name} has {dataset.classes} "
+            f"classes; build it with {dataset.classes} (e.g. fully_connected(..., classes=dataset.classes))"
+        )
+
+
 def simulate_fedsgd(
     model: nn.Module,
     dataset: ImageDataset,
@@ -196,10 +207,10 @@ def simulate_round(
             f"dataset must be a spear.data data set (load_dataset(...)), got {type(dataset).__name__}"
         )
     batch_size, seed = checks.integer("batch_size", batch_size, 1), checks.seed(seed)
-    if clients < 1:
-        raise InputError(f"the number of clients must be >= 1 (got {clients})")
+    clients = checks.integer("clients", clients, 1)
     protocol.check_batch(batch_size)
     _check_input_size(model, dataset)
+    _check_classes(model, dataset)
     dtype = next(model.parameters()).dtype
     images, labels = sample_batch(dataset, batch_size * clients, seed, single_label=single_label)
     inputs = (dataset.normalize(images) if normalize else images.flatten(1)).to(dtype)

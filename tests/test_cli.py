@@ -1,6 +1,7 @@
 """The `spear` command through typer's runner, on tiny settings."""
 
 import json
+import os
 
 import pytest
 from typer.testing import CliRunner
@@ -273,10 +274,21 @@ def test_output_paths_that_cannot_be_written_fail_before_the_attack(tmp_path, mo
     monkeypatch.setattr(spear.experiments, "run_batches", never)
     taken = tmp_path / "a_file"
     taken.write_text("")
+    proc = os.path.isdir("/proc/self")  # Linux: root may not create files there
+    blocked = tmp_path / "out"
+    (blocked / "result.json").mkdir(parents=True)
     for args, message in (
         (["attack", *TINY, "--out", str(taken)], "exists and is not a directory"),
         (["evaluate", *TINY, "--batches", "1", "--results", str(tmp_path)], "exists and is not a file"),
-        (["attack", *TINY, "--out", str(taken / "below")], "is not a directory this user can write"),
+        (["attack", *TINY, "--out", str(taken / "below")], "cannot write --out"),
+        # review 45: checked with os.access, which says yes to root and /proc, and never looked
+        # at the files written inside --out (a result.json that is a directory)
+        (["attack", *TINY, "--out", str(blocked)], "result.json is a directory"),
+        (
+            ["evaluate", *TINY, "--batches", "1", "--results", str(taken / "r.jsonl")],
+            "cannot write --results",
+        ),
+        *([(["attack", *TINY, "--out", "/proc/spear-out"], "cannot write --out")] if proc else []),
     ):
         result = runner.invoke(app, args)
         assert result.exit_code == 2, result.output
@@ -288,3 +300,9 @@ def test_theory_beyond_float_range_reads_infinite():
     result = runner.invoke(app, ["theory", "--batch-size", "1100", "--width", "1200", "--json"])
     assert result.exit_code == 0, result.output
     assert json.loads(result.output)["expected_proposals"] == float("inf")
+    import warnings
+
+    with warnings.catch_warnings():  # review 45: numpy's overflow warnings printed above the table
+        warnings.simplefilter("error", RuntimeWarning)
+        huge = runner.invoke(app, ["theory", "--batch-size", "100000", "--width", "1000000", "--json"])
+    assert huge.exit_code == 0, huge.output

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import sys
 from contextlib import contextmanager
 from pathlib import Path
@@ -248,7 +247,7 @@ def attack(
     from spear.experiments.report import json_safe
 
     settings = _settings(**_experiment_options(locals()))
-    _check_out_dir(out)
+    _check_out_dir(out, ("result.json", "grid.png", "per_sample.csv"))
     console = Console(stderr=json_output)
     try:
         with _ProgressDisplay(console) as display:
@@ -469,25 +468,38 @@ def evaluate(
     console.print(table)
 
 
-def _writable(path: Path, kind: str, option: str) -> None:
-    """Before the run: ``path`` can become a ``kind`` ("directory" or "file") that this user
-    may write (an attack's result must not be lost to a path that fails only at the end)."""
+def _writable(path: Path, kind: str, option: str, files: tuple[str, ...] = ()) -> None:
+    """Before the run: ``path`` can be written as a ``kind`` ("directory", holding ``files``, or
+    "file"), tried for real (an attack's result must not be lost to a path that fails only at
+    the end). A directory is created now; a file or a directory's file is opened for appending
+    (an existing one is left as it is, a new one removed again). ``os.access`` alone said yes to
+    root and to /proc, and never looked at the files written inside a directory."""
     if path.exists() and (path.is_dir() != (kind == "directory")):
         _fail(f"{option} {path} exists and is not a {kind}; name a {kind} (new or existing)")
-    if path.exists():
-        if not os.access(path, os.W_OK):
-            _fail(f"cannot write {option} {path}: this user may not write it")
-        return
-    ancestor = path.parent
-    while not ancestor.exists() and ancestor != ancestor.parent:
-        ancestor = ancestor.parent
-    if not ancestor.is_dir() or not os.access(ancestor, os.W_OK):
-        _fail(f"cannot write {option} {path}: {ancestor} is not a directory this user can write")
+    try:
+        if kind == "directory":
+            path.mkdir(parents=True, exist_ok=True)
+            targets = [path / name for name in files]
+        else:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            targets = [path]
+        for target in targets:
+            if target.is_dir():
+                _fail(
+                    f"cannot write {option} {path}: {target} is a directory; remove it or name another {kind}"
+                )
+            new = not target.exists()
+            with open(target, "a"):
+                pass
+            if new:
+                target.unlink()
+    except OSError as exc:
+        _fail(f"cannot write {option} {path}: {exc}")
 
 
-def _check_out_dir(out: Path | None) -> None:
+def _check_out_dir(out: Path | None, files: tuple[str, ...]) -> None:
     if out is not None:
-        _writable(out, "directory", "--out")
+        _writable(out, "directory", "--out", files)
 
 
 def _check_results_file(results: Path) -> None:
@@ -566,7 +578,7 @@ def compare(
     if unknown:
         _fail(f"unknown method(s) {', '.join(unknown)}; choose from {', '.join(ATTACKS)}")
     settings = _settings(**_experiment_options(locals()), device="cpu", proposer="auto")
-    _check_out_dir(out)
+    _check_out_dir(out, ("comparison.json", "grid.png"))
     console = Console(stderr=json_output)
 
     def report(record: dict) -> None:
@@ -644,7 +656,7 @@ def vulnerability(
     if unknown:
         _fail(f"unknown prox(ies) {', '.join(unknown)}; choose from {', '.join(PROXIES)}")
     settings = _settings(**_experiment_options(locals()), device="cpu", proposer="auto")
-    _check_out_dir(out)
+    _check_out_dir(out, ("vulnerability.json",))
     console = Console(stderr=json_output)
     try:
         case = ClientCase.draw(settings)

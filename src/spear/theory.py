@@ -109,7 +109,8 @@ def _exists_probability(m: int, b: int, base: float) -> float:
     log_pmf = _log_binom_pmf_half(m)[b - 1 :]
     # number of (b-1)-subsets of the k zero rows; 1 - base^((b-1) C(k, b-1))
     log_subsets = special.gammaln(ks + 1) - special.gammaln(b) - special.gammaln(ks - b + 2)
-    exponent = (b - 1) * np.exp(log_subsets) * math.log(base)  # <= 0, may be -inf
+    with np.errstate(over="ignore"):  # C(k, b-1) beyond float range: -inf, as intended
+        exponent = (b - 1) * np.exp(log_subsets) * math.log(base)  # <= 0, may be -inf
     all_singular = np.exp(exponent)
     return float(np.sum(np.exp(log_pmf) * (1.0 - all_singular)))
 

@@ -211,3 +211,37 @@ def test_a_solved_activation_below_zero_ends_the_chain(mnist):
         model, "4", grads, _certified(rec, torch.cat([layer_inputs(model, "4", x), wrong[None]]))
     )
     assert images.exact.tolist() == [True, True, False]
+
+
+def test_samples_are_traced_in_chunks_that_stop_at_the_deadline_and_reuse_the_svds(mnist, monkeypatch):
+    # a review: the cascade's inversion after an attack ignored its deadline (a 5 s cascade ran
+    # 5.8 s, 3.5 s of it here); it now traces CHUNK samples at a time, each through every layer
+    import spear.inversion.row_space as row_space_module
+    from spear.core.deadline import Deadline
+
+    view, truth = deep_mlp_round(mnist, 200, 40, 3)
+    rec = spear.attack_layer(view.model, "4", view.gradients, seed=0, max_proposals=200_000)
+    assert rec.verified
+    whole = RowSpaceInverter()(view.model, "4", view.gradients, rec)
+    assert bool(whole.exact.all())
+    assert_exact(whole.inputs, truth.inputs.double(), rtol=1e-9)
+    looks = []
+
+    class SecondLook(Deadline):  # passes at its second look: one chunk is traced
+        def passed(self) -> bool:
+            looks.append(1)
+            return len(looks) >= 2
+
+    monkeypatch.setattr(row_space_module, "CHUNK", 16)
+    svds: dict = {}
+    cut = RowSpaceInverter(svds=svds, deadline=SecondLook(0.0))(view.model, "4", view.gradients, rec)
+    assert cut.exact.tolist() == [True] * 16 + [False] * 24 and not cut.verified
+    assert torch.equal(cut.inputs[:16], whole.inputs[:16]) and bool(cut.inputs[16:].isnan().all())
+    assert any("24 sample(s) not traced to the data: the time budget ran out" in n for n in cut.notes)
+    assert set(svds) == {"0", "2"}  # the lower layers' SVDs, kept for the next call
+    calls = []
+    monkeypatch.setattr(
+        torch.linalg, "svd", lambda *a, **k: calls.append(1) or (_ for _ in ()).throw(AssertionError)
+    )
+    again = RowSpaceInverter(svds=svds)(view.model, "4", view.gradients, rec)
+    assert not calls and torch.equal(again.inputs, whole.inputs)

@@ -69,18 +69,38 @@ def gradient_row_space(
 ) -> RowSpace:
     """The row space of ``grad_weight`` (Theorem 3.1: the span of the layer's b inputs): its
     first b right singular vectors, b its numerical rank (at most ``batch_size``)."""
-    g = grad_weight.to(torch.float64)
-    _, S, Vh = torch.linalg.svd(g, full_matrices=False)
-    rank = numerical_rank(S, (g.shape[0], g.shape[1]), source_dtype)
-    # duplicates in the batch: fewer distinct inputs than samples, and their span is smaller
-    rank = max(1, min(rank, S.numel(), batch_size or rank))
-    # the gradient's own rounding, seen past its rank (Wedin: the subspace moves by about
-    # that over s_b); eps * s_1 where nothing lies past the rank
-    beyond = float(S[rank]) if rank < S.numel() else torch.finfo(source_dtype).eps * float(S[0])
-    floor = torch.finfo(torch.float64).eps * float(S[0])
-    smallest = float(S[rank - 1])
-    precision = max(beyond, floor) / smallest if smallest > 0 else float("inf")
-    return RowSpace(Vh[:rank], precision)
+    return GradientSVD.of(grad_weight).row_space(source_dtype, batch_size)
+
+
+@dataclass(frozen=True)
+class GradientSVD:
+    """A weight gradient's singular values and right singular vectors (float64), kept so that
+    its row space can be read again at another batch size without a second SVD (the cascade
+    reuses them until it changes the gradient)."""
+
+    S: torch.Tensor
+    Vh: torch.Tensor
+    shape: tuple[int, int]
+
+    @classmethod
+    def of(cls, grad_weight: torch.Tensor) -> GradientSVD:
+        g = grad_weight.to(torch.float64)
+        _, S, Vh = torch.linalg.svd(g, full_matrices=False)
+        return cls(S, Vh, (g.shape[0], g.shape[1]))
+
+    def row_space(self, source_dtype: torch.dtype, batch_size: int | None = None) -> RowSpace:
+        """The :class:`RowSpace` of :func:`gradient_row_space`."""
+        S = self.S
+        rank = numerical_rank(S, self.shape, source_dtype)
+        # duplicates in the batch: fewer distinct inputs than samples, and their span is smaller
+        rank = max(1, min(rank, S.numel(), batch_size or rank))
+        # the gradient's own rounding, seen past its rank (Wedin: the subspace moves by about
+        # that over s_b); eps * s_1 where nothing lies past the rank
+        beyond = float(S[rank]) if rank < S.numel() else torch.finfo(source_dtype).eps * float(S[0])
+        floor = torch.finfo(torch.float64).eps * float(S[0])
+        smallest = float(S[rank - 1])
+        precision = max(beyond, floor) / smallest if smallest > 0 else float("inf")
+        return RowSpace(self.Vh[:rank], precision)
 
 
 def invert_relu_linear(

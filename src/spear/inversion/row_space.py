@@ -11,13 +11,14 @@ certified model input, with no other sample known.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, MutableMapping
 
 import torch
 from torch import nn
 
-from spear.core.backtrack import gradient_row_space, invert_relu_linear
+from spear.core.backtrack import GradientSVD, RowSpace, invert_relu_linear
 from spear.core.consistency import Tolerances
+from spear.core.deadline import NEVER, Deadline
 from spear.core.result import Reconstruction
 from spear.errors import InputError
 from spear.inversion.base import Inversion, Inverter, acting_layers_below, layers_below
@@ -38,12 +39,41 @@ class RowSpaceInverter(Inverter):
 
     name = "row space"
 
-    def __init__(self, rtol: float | None = None, source_dtype: torch.dtype | None = None) -> None:
+    def __init__(
+        self,
+        rtol: float | None = None,
+        source_dtype: torch.dtype | None = None,
+        *,
+        svds: MutableMapping[str, GradientSVD] | None = None,
+        deadline: Deadline = NEVER,
+    ) -> None:
         self.rtol = rtol
         #: the precision the client computed in, where the gradients' containers overstate it
         #: (float16 values in float64 tensors: a review's cascade inverted none of 16 verified
         #: hidden inputs at float64's tolerances); None: read off the containers
         self.source_dtype = source_dtype
+        #: the lower layers' gradient SVDs by layer name, filled as they are computed: a caller
+        #: that inverts several times from the same gradients passes one dict (:meth:`prepare`)
+        self.svds: MutableMapping[str, GradientSVD] = {} if svds is None else svds
+        #: samples are traced in chunks, each through every layer, and none is started once
+        #: this has passed (the rest are left not exact, and a note says so)
+        self.deadline = deadline
+
+    def prepare(self, model: nn.Module, layer: str, gradients: Mapping[str, torch.Tensor]) -> None:
+        """Compute the SVDs an inversion from ``layer`` needs (the weight gradients of the
+        linear layers below it) now, e.g. before an attack whose time budget must leave the
+        inversion only its per-sample solves."""
+        for name, _ in self._linears_below(model, layer):
+            if _key(name) in gradients:
+                self._svd(name, gradients)
+
+    def _linears_below(self, model: nn.Module, layer: str) -> list[tuple[str, nn.Linear]]:
+        return [(n, m) for n, m in layers_below(model, layer) if isinstance(m, nn.Linear)]
+
+    def _svd(self, name: str, gradients: Mapping[str, torch.Tensor]) -> GradientSVD:
+        if name not in self.svds:
+            self.svds[name] = GradientSVD.of(torch.as_tensor(gradients[_key(name)]).detach())
+        return self.svds[name]
 
     def applies(self, model: nn.Module, layer: str) -> bool:
         """Pairs of ``Linear -> ReLU`` below ``layer`` (pass-through modules aside), nothing else."""
@@ -74,7 +104,7 @@ class RowSpaceInverter(Inverter):
             raise InputError(
                 f"the recovered inputs are {tuple(hidden.shape)}; layer {layer!r} takes (k, {width})"
             )
-        linears = [(n, m) for n, m in layers_below(model, layer) if isinstance(m, nn.Linear)]
+        linears = self._linears_below(model, layer)
         if not linears:  # the first layer: its inputs are the data
             every = torch.ones(hidden.shape[0], dtype=torch.bool)
             return Inversion(hidden.to(torch.float64), "identity", True, 0.0, exact=every)
@@ -83,26 +113,57 @@ class RowSpaceInverter(Inverter):
             raise InputError(f"the update lacks the weight gradients of layers {missing}: they are needed")
         dtype = self.source_dtype or _source_dtype(torch.as_tensor(gradients[_key(n)]) for n, _ in linears)
         tol = Tolerances.for_dtype(dtype, verify_rtol=self.rtol)
-        inputs = hidden.to(torch.float64)
-        exact = torch.ones(inputs.shape[0], dtype=torch.bool)
-        worst = torch.zeros(inputs.shape[0], dtype=torch.float64)
-        precision: torch.Tensor | float = torch.finfo(dtype).eps  # the recovered inputs'
-        for depth, (name, linear) in enumerate(reversed(linears)):
-            grad = torch.as_tensor(gradients[_key(name)]).detach()
-            space = gradient_row_space(grad, grad.dtype, reconstruction.batch_size)
-            bias = linear.bias.detach() if linear.bias is not None else torch.zeros(linear.out_features)
-            weight = linear.weight.detach()
-            step = invert_relu_linear(inputs, weight, bias, space, precision, tol.verify_rtol, tol.zero_rtol)
-            inputs, exact, worst = step.inputs, exact & step.exact, torch.maximum(worst, step.misfit)
-            precision = step.precision
-            if depth < len(linears) - 1:  # a ReLU's output: negative entries fit no input below
-                floor = -tol.verify_rtol * inputs.abs().amax(dim=1)
-                exact &= (inputs >= floor[:, None]).all(dim=1)
-        notes = (
-            [] if bool(exact.all()) else [f"{int((~exact).sum())} sample(s) not determined or not consistent"]
-        )
+        spaces = [
+            (linear, self._svd(name, gradients).row_space(dtype, reconstruction.batch_size))
+            for name, linear in reversed(linears)
+        ]
+        k = hidden.shape[0]
+        inputs = torch.full((k, linears[0][1].in_features), torch.nan, dtype=torch.float64)
+        exact = torch.zeros(k, dtype=torch.bool)
+        worst = torch.full((k,), torch.inf, dtype=torch.float64)
+        for start in range(0, k, CHUNK):
+            if self.deadline.passed():
+                break
+            part = slice(start, start + CHUNK)
+            inputs[part], exact[part], worst[part] = _trace(hidden[part], spaces, dtype, tol)
+        notes = []
+        if self.deadline.passed() and bool(torch.isnan(inputs).all(dim=1).any()):
+            left = int(torch.isnan(inputs).all(dim=1).sum())
+            notes.append(f"{left} sample(s) not traced to the data: the time budget ran out first")
+        if not bool(exact.all()):
+            notes.append(f"{int((~exact).sum())} sample(s) not determined or not consistent")
         residual = float(worst[exact].max()) if bool(exact.any()) else float("inf")
         return Inversion(inputs, self.name, bool(exact.all()), residual, notes, exact=exact)
+
+
+#: samples traced together through every layer between two looks at the deadline
+CHUNK = 16
+
+
+def _trace(
+    hidden: torch.Tensor,
+    spaces: list[tuple[nn.Linear, RowSpace]],
+    dtype: torch.dtype,
+    tol: Tolerances,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Samples (k, width) of the attacked layer traced down through ``spaces`` (each lower
+    linear layer, top first, with its gradient's row space): their inputs, whether each is
+    exact, and each one's worst misfit (:func:`spear.core.backtrack.invert_relu_linear`)."""
+    inputs = hidden.to(torch.float64)
+    exact = torch.ones(inputs.shape[0], dtype=torch.bool)
+    worst = torch.zeros(inputs.shape[0], dtype=torch.float64)
+    precision: torch.Tensor | float = torch.finfo(dtype).eps  # the recovered inputs'
+    for depth, (linear, space) in enumerate(spaces):
+        bias = linear.bias.detach() if linear.bias is not None else torch.zeros(linear.out_features)
+        step = invert_relu_linear(
+            inputs, linear.weight.detach(), bias, space, precision, tol.verify_rtol, tol.zero_rtol
+        )
+        inputs, exact, worst = step.inputs, exact & step.exact, torch.maximum(worst, step.misfit)
+        precision = step.precision
+        if depth < len(spaces) - 1:  # a ReLU's output: negative entries fit no input below
+            floor = -tol.verify_rtol * inputs.abs().amax(dim=1)
+            exact &= (inputs >= floor[:, None]).all(dim=1)
+    return inputs, exact, worst
 
 
 def _proven_inputs(reconstruction: Reconstruction) -> torch.Tensor:

@@ -81,12 +81,13 @@ class GradientSVD:
     S: torch.Tensor
     Vh: torch.Tensor
     shape: tuple[int, int]
+    dtype: torch.dtype  # the gradient's own, as given
 
     @classmethod
     def of(cls, grad_weight: torch.Tensor) -> GradientSVD:
         g = grad_weight.to(torch.float64)
         _, S, Vh = torch.linalg.svd(g, full_matrices=False)
-        return cls(S, Vh, (g.shape[0], g.shape[1]))
+        return cls(S, Vh, (g.shape[0], g.shape[1]), grad_weight.dtype)
 
     def row_space(self, source_dtype: torch.dtype, batch_size: int | None = None) -> RowSpace:
         """The :class:`RowSpace` of :func:`gradient_row_space`."""

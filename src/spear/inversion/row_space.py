@@ -113,25 +113,24 @@ class RowSpaceInverter(Inverter):
             raise InputError(f"the update lacks the weight gradients of layers {missing}: they are needed")
         dtype = self.source_dtype or _source_dtype(torch.as_tensor(gradients[_key(n)]) for n, _ in linears)
         tol = Tolerances.for_dtype(dtype, verify_rtol=self.rtol)
-        spaces = [
-            (linear, self._svd(name, gradients).row_space(dtype, reconstruction.batch_size))
-            for name, linear in reversed(linears)
-        ]
+        spaces = []
+        for name, linear in reversed(linears):  # top first
+            svd = self._svd(name, gradients)  # its rank read at the containers' precision
+            spaces.append((linear, svd.row_space(svd.dtype, reconstruction.batch_size)))
         k = hidden.shape[0]
         inputs = torch.full((k, linears[0][1].in_features), torch.nan, dtype=torch.float64)
         exact = torch.zeros(k, dtype=torch.bool)
         worst = torch.full((k,), torch.inf, dtype=torch.float64)
-        for start in range(0, k, CHUNK):
-            if self.deadline.passed():
-                break
-            part = slice(start, start + CHUNK)
+        traced = 0
+        while traced < k and not self.deadline.passed():
+            part = slice(traced, traced + CHUNK)
             inputs[part], exact[part], worst[part] = _trace(hidden[part], spaces, dtype, tol)
+            traced = min(k, traced + CHUNK)
         notes = []
-        if self.deadline.passed() and bool(torch.isnan(inputs).all(dim=1).any()):
-            left = int(torch.isnan(inputs).all(dim=1).sum())
-            notes.append(f"{left} sample(s) not traced to the data: the time budget ran out first")
-        if not bool(exact.all()):
-            notes.append(f"{int((~exact).sum())} sample(s) not determined or not consistent")
+        if traced < k:
+            notes.append(f"{k - traced} sample(s) not traced to the data: the time budget ran out first")
+        if not bool(exact[:traced].all()):
+            notes.append(f"{int((~exact[:traced]).sum())} sample(s) not determined or not consistent")
         residual = float(worst[exact].max()) if bool(exact.any()) else float("inf")
         return Inversion(inputs, self.name, bool(exact.all()), residual, notes, exact=exact)
 

@@ -36,6 +36,11 @@ def test_fedsgd_autocast_takes_the_half_dtypes_only():
     with pytest.raises(spear.InputError, match=r"autocast must be torch\.float16, torch\.bfloat16"):
         FedSGD(autocast=torch.float64)
     assert FedSGD(autocast=torch.bfloat16).settings() == {"protocol": "fedsgd", "autocast": "bfloat16"}
+    # review 45: a float64 model's client computed in float64 under a record saying float16
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.ReLU(), torch.nn.Linear(3, 2)).double()
+    x, y = torch.rand(2, 4, dtype=torch.float64), torch.tensor([0, 1])
+    with pytest.raises(spear.InputError, match="autocast leaves float64 alone"):
+        FedSGD(autocast=torch.float16).client_update(model, x, y)
 
 
 def _network():

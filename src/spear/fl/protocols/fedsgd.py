@@ -46,6 +46,11 @@ class FedSGD(Protocol):
         self, model: nn.Module, inputs: torch.Tensor, labels: torch.Tensor, seed: int = 0
     ) -> dict[str, torch.Tensor]:
         params = dict(model.named_parameters())
+        if self.autocast is not None and any(p.dtype == torch.float64 for p in params.values()):
+            raise InputError(
+                "autocast leaves float64 alone: a float64 model's client would compute in float64 "
+                "while its update says mixed precision; build the model in float32 (dtype=torch.float32)"
+            )
         with self._precision(inputs):
             loss = nn.functional.cross_entropy(model(inputs), labels)
         grads = torch.autograd.grad(loss, list(params.values()))

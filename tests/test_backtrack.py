@@ -227,19 +227,23 @@ def test_samples_are_traced_in_chunks_that_stop_at_the_deadline_and_reuse_the_sv
     assert_exact(whole.inputs, truth.inputs.double(), rtol=1e-9)
     looks = []
 
-    class SecondLook(Deadline):  # passes at its second look: one chunk is traced
+    class SecondChunk(Deadline):  # passes at its fourth look: two SVDs, then one chunk traced
         def passed(self) -> bool:
             looks.append(1)
-            return len(looks) >= 2
+            return len(looks) >= 4
 
     monkeypatch.setattr(row_space_module, "CHUNK", 16)
     svds: dict = {}
-    cut = RowSpaceInverter(svds=svds, deadline=SecondLook(0.0))(view.model, "4", view.gradients, rec)
+    cut = RowSpaceInverter(svds=svds, deadline=SecondChunk(0.0))(view.model, "4", view.gradients, rec)
     assert cut.exact.tolist() == [True] * 16 + [False] * 24 and not cut.verified
     assert torch.equal(cut.inputs[:16], whole.inputs[:16]) and bool(cut.inputs[16:].isnan().all())
     assert any("24 sample(s) not traced to the data: the time budget ran out" in n for n in cut.notes)
     assert not any("not determined" in n for n in cut.notes)  # the 16 traced are exact
     assert set(svds) == {"0", "2"}  # the lower layers' SVDs, kept for the next call
+    late: dict = {}
+    none = RowSpaceInverter(svds=late, deadline=Deadline(0.0))(view.model, "4", view.gradients, rec)
+    assert not late and not bool(none.exact.any())  # no SVD started past the deadline
+    assert any("40 sample(s) not traced" in n for n in none.notes)
     calls = []
     monkeypatch.setattr(
         torch.linalg, "svd", lambda *a, **k: calls.append(1) or (_ for _ in ()).throw(AssertionError)

@@ -275,6 +275,9 @@ def test_output_paths_that_cannot_be_written_fail_before_the_attack(tmp_path, mo
     taken = tmp_path / "a_file"
     taken.write_text("")
     proc = os.path.isdir("/proc/self")  # Linux: root may not create files there
+    pipe = tmp_path / "fifo" if hasattr(os, "mkfifo") else None  # opening it for writing blocked
+    if pipe:
+        os.mkfifo(pipe)
     blocked = tmp_path / "out"
     (blocked / "result.json").mkdir(parents=True)
     for args, message in (
@@ -289,11 +292,20 @@ def test_output_paths_that_cannot_be_written_fail_before_the_attack(tmp_path, mo
             "cannot write --results",
         ),
         *([(["attack", *TINY, "--out", "/proc/spear-out"], "cannot write --out")] if proc else []),
+        *([(["evaluate", *TINY, "--results", str(pipe)], "is not a regular file")] if pipe else []),
     ):
         result = runner.invoke(app, args)
         assert result.exit_code == 2, result.output
         text = " ".join(result.output.split())  # rich wraps long paths
         assert message in text and "Traceback" not in text
+    # review 45b: a dangling symlink lost its link and got an empty file at its target
+    link, target = tmp_path / "link.jsonl", tmp_path / "elsewhere" / "r.jsonl"
+    target.parent.mkdir()
+    link.symlink_to(target)
+    from spear.cli import _check_results_file
+
+    _check_results_file(link)
+    assert link.is_symlink() and not target.exists()
 
 
 def test_theory_beyond_float_range_reads_infinite():

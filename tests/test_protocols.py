@@ -349,8 +349,11 @@ def test_bad_protocol_settings_give_clear_errors(mnist):
         with pytest.raises(InputError, match="clients must be an integer"):
             simulate_round(model, mnist, 4, clients=odd)
     five = fully_connected(mnist.features, 60, 3, 5, seed=0)  # a label of 6 failed in the loss
-    with pytest.raises(InputError, match="the model has 5 outputs but mnist has 10 classes"):
+    with pytest.raises(InputError, match=r"output has shape \(1, 5\) for one sample, but mnist's labels go"):
         simulate_round(five, mnist, 4)
+    ending_in_relu = torch.nn.Sequential(*five, torch.nn.ReLU())  # review 45b: no Linear last
+    with pytest.raises(InputError, match="one logit per class"):
+        simulate_round(ending_in_relu, mnist, 4)
 
 
 runner = CliRunner()

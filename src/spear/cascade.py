@@ -204,6 +204,8 @@ def per_sample_gradients(
     if autocast is not None and autocast not in AUTOCAST.values():
         raise InputError(f"autocast must be torch.float16, torch.bfloat16 or None, got {autocast!r}")
     net = copy.deepcopy(model).eval()
+    for param in net.parameters():  # frozen ones too: their gradient is part of the sum asked for
+        param.requires_grad_(True)
     dtype = next((p.dtype for p in net.parameters()), torch.float64) if autocast else torch.float64
     net = net.to(dtype)
     params = dict(net.named_parameters())
@@ -425,17 +427,6 @@ class _Cascade:
         if options.get("max_proposals") is not None:
             options["max_proposals"] = int(options["max_proposals"]) * scale
         began = time.perf_counter()
-        if is_hidden(self.model, layer) and budget:
-            # the SVDs its samples' inversion needs, before the attack: its budget then leaves the
-            # inversion only per-sample solves, which stop at the deadline (a review's 5 s
-            # cascade ran 5.8 s, 3.5 s of it inverting 20 samples after the attack)
-            with contextlib.suppress(RuntimeError):  # an SVD that failed: the inversion reports it
-                self._inverter().prepare(self.model, layer, self.residual)
-            left = self.left()
-            budget = [t for t in (left, per_attack) if t is not None]
-            options["time_budget"] = min(budget)
-            if left is not None and left <= 0:
-                return
         try:
             rec = attack_layer(self.model, layer, self.residual, loss=self.plan.loss, **options)
         except (SpearError, RuntimeError) as exc:
@@ -511,18 +502,19 @@ class _Cascade:
         all off leaves nothing in the attacked weights but its share of every later bias and of
         the head (a review's update scaled by 8/7 with such a sample among 8 read as a complete
         batch of 7 while the attacked weights alone were checked). A parameter the client sent
-        as exactly zero explains only an exactly zero residual. inf where a residual is not
+        as exactly zero is one it did not train (frozen) and is left out. inf where a residual is not
         finite (a recomputation that overflowed explains nothing: ``max`` would skip its NaN,
         and a review's float32 client read as float16, half of it found, came out explained
         and complete)."""
         worst = 0.0
         for key, sent in self.original.items():
             total = float(sent.to(torch.float64).norm())
+            if total == 0:  # not trained by the client (frozen, sent as zeros): nothing to explain
+                continue
             left = float(residual[key].to(torch.float64).norm())
             if not math.isfinite(left):
                 return math.inf
-            if left > 0:
-                worst = max(worst, left / total if total > 0 else math.inf)
+            worst = max(worst, left / total)
         return worst
 
     def _left_in_client_arithmetic(self) -> float:

@@ -484,10 +484,13 @@ def _writable(path: Path, kind: str, option: str, files: tuple[str, ...] = ()) -
             path.parent.mkdir(parents=True, exist_ok=True)
             targets = [path]
         for target in targets:
+            target = target.resolve()  # a symlink's target is what gets written, not the link
             if target.is_dir():
                 _fail(
                     f"cannot write {option} {path}: {target} is a directory; remove it or name another {kind}"
                 )
+            if target.exists() and not target.is_file():  # a pipe or a device would block or take it
+                _fail(f"cannot write {option} {path}: {target} is not a regular file")
             new = not target.exists()
             with open(target, "a"):
                 pass

@@ -145,14 +145,17 @@ def _check_input_size(model: nn.Module, dataset: ImageDataset) -> None:
         )
 
 
-def _check_classes(model: nn.Module, dataset: ImageDataset) -> None:
-    """A clear error when the model's last Linear has fewer outputs than the data set has
-    classes (a label beyond them fails deep in the loss)."""
-    last = next((m for m in reversed(list(model.modules())) if not isinstance(m, nn.Sequential)), None)
-    if isinstance(last, nn.Linear) and last.out_features < dataset.classes:
+def _check_classes(model: nn.Module, inputs: torch.Tensor, labels: torch.Tensor, name: str) -> None:
+    """A clear error when the model's output has fewer classes than the batch's labels need
+    (a label beyond them fails deep in the loss): one sample's forward pass tells, on a copy in
+    eval mode (no running statistics updated, no dropout drawn from the client's generator)."""
+    with torch.no_grad():
+        out = copy.deepcopy(model).eval()(inputs[:1])
+    if out.ndim != 2 or int(labels.max()) >= out.shape[1]:
         raise InputError(
-            f"the model has {last.out_features} outputs but {dataset.name} has {dataset.classes} "
-            f"classes; build it with {dataset.classes} (e.g. fully_connected(..., classes=dataset.classes))"
+            f"the model's output has shape {tuple(out.shape)} for one sample, but {name}'s labels go up "
+            f"to {int(labels.max())}: a classifier needs one logit per class (e.g. fully_connected(..., "
+            "classes=dataset.classes))"
         )
 
 
@@ -210,10 +213,10 @@ def simulate_round(
     clients = checks.integer("clients", clients, 1)
     protocol.check_batch(batch_size)
     _check_input_size(model, dataset)
-    _check_classes(model, dataset)
     dtype = next(model.parameters()).dtype
     images, labels = sample_batch(dataset, batch_size * clients, seed, single_label=single_label)
     inputs = (dataset.normalize(images) if normalize else images.flatten(1)).to(dtype)
+    _check_classes(model, inputs, labels, dataset.name)
     owner = torch.arange(clients).repeat_interleave(batch_size)
     total: dict[str, torch.Tensor] = {}
     for k in range(clients):

@@ -53,19 +53,11 @@ class RowSpaceInverter(Inverter):
         #: hidden inputs at float64's tolerances); None: read off the containers
         self.source_dtype = source_dtype
         #: the lower layers' gradient SVDs by layer name, filled as they are computed: a caller
-        #: that inverts several times from the same gradients passes one dict (:meth:`prepare`)
+        #: that inverts several times from the same gradients passes one dict
         self.svds: MutableMapping[str, GradientSVD] = {} if svds is None else svds
-        #: samples are traced in chunks, each through every layer, and none is started once
-        #: this has passed (the rest are left not exact, and a note says so)
+        #: no SVD and no chunk of samples (each traced through every layer) is started once
+        #: this has passed: the rest are left not exact, and a note says so
         self.deadline = deadline
-
-    def prepare(self, model: nn.Module, layer: str, gradients: Mapping[str, torch.Tensor]) -> None:
-        """Compute the SVDs an inversion from ``layer`` needs (the weight gradients of the
-        linear layers below it) now, e.g. before an attack whose time budget must leave the
-        inversion only its per-sample solves."""
-        for name, _ in self._linears_below(model, layer):
-            if _key(name) in gradients:
-                self._svd(name, gradients)
 
     def _linears_below(self, model: nn.Module, layer: str) -> list[tuple[str, nn.Linear]]:
         return [(n, m) for n, m in layers_below(model, layer) if isinstance(m, nn.Linear)]
@@ -113,16 +105,20 @@ class RowSpaceInverter(Inverter):
             raise InputError(f"the update lacks the weight gradients of layers {missing}: they are needed")
         dtype = self.source_dtype or _source_dtype(torch.as_tensor(gradients[_key(n)]) for n, _ in linears)
         tol = Tolerances.for_dtype(dtype, verify_rtol=self.rtol)
+        k = hidden.shape[0]
         spaces = []
         for name, linear in reversed(linears):  # top first
+            if self.deadline.passed():  # no SVD is started late (one cannot be cut)
+                break
             svd = self._svd(name, gradients)  # its rank read at the containers' precision
             spaces.append((linear, svd.row_space(svd.dtype, reconstruction.batch_size)))
-        k = hidden.shape[0]
+        if len(spaces) < len(linears):
+            spaces = []
         inputs = torch.full((k, linears[0][1].in_features), torch.nan, dtype=torch.float64)
         exact = torch.zeros(k, dtype=torch.bool)
         worst = torch.full((k,), torch.inf, dtype=torch.float64)
         traced = 0
-        while traced < k and not self.deadline.passed():
+        while spaces and traced < k and not self.deadline.passed():
             part = slice(traced, traced + CHUNK)
             inputs[part], exact[part], worst[part] = _trace(hidden[part], spaces, dtype, tol)
             traced = min(k, traced + CHUNK)

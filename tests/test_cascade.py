@@ -349,6 +349,10 @@ def test_a_model_without_a_usable_layer_is_named_as_such():
     tanh = nn.Sequential(nn.Linear(8, 6), nn.Tanh(), nn.Linear(6, 3)).double()
     with pytest.raises(spear.InputError, match="no layer the cascade can attack"):
         attack_model(tanh, [torch.zeros_like(p) for p in tanh.parameters()])
+    # review 45b: bias=False layers gave an error step per attack instead of one error up front
+    bare = nn.Sequential(nn.Linear(8, 6, bias=False), nn.ReLU(), nn.Linear(6, 3, bias=False)).double()
+    with pytest.raises(spear.InputError, match="Linear layers with a bias"):
+        attack_model(bare, [torch.zeros_like(p) for p in bare.parameters()])
 
 
 def test_a_timed_cascade_traces_its_samples_against_its_deadline(mnist, monkeypatch):

@@ -156,8 +156,8 @@ class _Found:
 
 
 def cascade_layers(model: nn.Module) -> list[str]:
-    """The layers the cascade can use: each ``nn.Linear`` followed by a ReLU whose certified
-    samples reach the data exactly (the first layer, or Linear -> ReLU pairs below), in the
+    """The layers the cascade can use: each ``nn.Linear`` with a bias followed by a ReLU whose
+    certified samples reach the data exactly (the first layer, or Linear -> ReLU pairs below), in the
     default order: the hidden layers from the middle outwards, then the first layer.
 
     The order is measured, not derived: on 6-layer MLPs (MNIST, widths 200 and 1000) the
@@ -166,10 +166,13 @@ def cascade_layers(model: nn.Module) -> list[str]:
     from spear.fl.models import attackable_layers
 
     inverter = RowSpaceInverter()
+    modules = dict(model.named_modules())
     usable = [
         name
         for name, sparsity in attackable_layers(model).items()
-        if sparsity == "output" and (not is_hidden(model, name) or inverter.applies(model, name))
+        if sparsity == "output"
+        and modules[name].bias is not None  # attack_layer needs dL/db (Theorem 3.6)
+        and (not is_hidden(model, name) or inverter.applies(model, name))
     ]
     hidden = [name for name in usable if is_hidden(model, name)]
     middle = (len(hidden) - 1) / 2
@@ -296,16 +299,16 @@ def attack_model(
     if not usable:
         raise InputError(
             f"{type(model).__name__} has no layer the cascade can attack: it needs an nn.Sequential "
-            "(nested ones too) of Linear layers, each followed by a ReLU, from the data up (a CNN's "
-            "convolutions, other activations or a custom forward() stop it); attack one layer with "
-            "spear.attack_layer instead"
+            "(nested ones too) of Linear layers with a bias, each followed by a ReLU, from the data up "
+            "(a CNN's convolutions, other activations, bias=False or a custom forward() stop it); "
+            "attack one layer with spear.attack_layer instead"
         )
     order = list(usable if layers is None else layers)
     unusable = [name for name in order if name not in usable]
     if unusable or not order:
         raise InputError(
-            f"layers {unusable or order} cannot be used by the cascade: it needs Linear layers "
-            f"followed by a ReLU whose samples reach the data exactly ({usable})"
+            f"layers {unusable or order} cannot be used by the cascade: it needs Linear layers with a "
+            f"bias, followed by a ReLU, whose samples reach the data exactly ({usable})"
         )
     gradients = named_gradients(model, gradients)
     missing = [name for name, _ in model.named_parameters() if name not in gradients]

@@ -47,7 +47,7 @@ from spear.api import (
 )
 from spear.certify import LossFn, _cross_entropy
 from spear.core.backtrack import GradientSVD
-from spear.core.certificate import BatchReduction, aggregate_multiples, infer_aggregate, infer_reduction
+from spear.core.certificate import BatchReduction, aggregate_multiples, infer_batch
 from spear.core.consistency import Tolerances
 from spear.core.deadline import Deadline
 from spear.core.result import Reconstruction
@@ -491,9 +491,10 @@ class _Cascade:
         return int(data.shape[0]), notes
 
     def _unexplained(self) -> float:
-        """The largest relative norm left in the attacked layers' weight gradients by the
-        found samples, in float64; for a half-precision client the less of that and what they
-        leave in the client's own arithmetic (:meth:`_left_in_client_arithmetic`)."""
+        """The largest relative norm left in the gradients of the parameters by the found
+        samples, in float64 (:meth:`_largest_relative`); for a half-precision client the less
+        of that and what they leave in the client's own arithmetic
+        (:meth:`_left_in_client_arithmetic`)."""
         left = self._largest_relative(self.residual)
         if half_precision(self.client_dtype) and self.found.inputs:
             left = min(left, self._left_in_client_arithmetic())
@@ -553,10 +554,8 @@ class _Cascade:
         if clients > 1 and aggregate_multiples(weights, self.tol.verify_rtol):
             # a sample repeated in its client, or one of a smaller client: not determined
             reduction = BatchReduction(None, None, None)
-        elif clients > 1:
-            reduction = infer_aggregate(weights, clients, self.tol.verify_rtol)
-        else:
-            reduction = infer_reduction(weights, self.tol.verify_rtol)
+        else:  # as attack_layer's verdict reads them
+            reduction = infer_batch(weights, clients, self.tol.verify_rtol)
         gaps = torch.cdist(inputs, inputs, compute_mode="donot_use_mm_for_euclid_dist")
         gaps.fill_diagonal_(torch.inf)
         distinct = bool((gaps > self.tol.verify_rtol * inputs.norm(dim=1, keepdim=True)).all())

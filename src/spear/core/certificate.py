@@ -192,6 +192,14 @@ def aggregate_multiples(weights: torch.Tensor, rtol: float | torch.Tensor = WEIG
     return multiple.any(dim=1).nonzero()[:, 0].tolist()
 
 
+def infer_batch(
+    weights: torch.Tensor, clients: int, rtol: float | torch.Tensor = WEIGHT_RTOL
+) -> BatchReduction:
+    """The reduction the weights read as: one client's loss (:func:`infer_reduction`), or the
+    sum of ``clients`` clients' mean losses under secure aggregation (:func:`infer_aggregate`)."""
+    return infer_aggregate(weights, clients, rtol) if clients > 1 else infer_reduction(weights, rtol)
+
+
 def infer_aggregate(
     weights: torch.Tensor, clients: int, rtol: float | torch.Tensor = WEIGHT_RTOL
 ) -> BatchReduction:

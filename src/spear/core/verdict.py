@@ -30,7 +30,7 @@ from spear.core.certificate import (
     SampleCertificates,
     SampleCertifier,
     aggregate_multiples,
-    infer_aggregate,
+    infer_batch,
     infer_reduction,
 )
 from spear.core.consistency import Determinacy, Tolerances, ambiguous_groups, rounding_map
@@ -603,7 +603,7 @@ def _audit_problem(
             "matmuls; then attack with precision_audit=False)"
         ), named
     precision = WEIGHT_PRECISION * tight
-    fit = infer_aggregate(weights, clients, precision) if clients > 1 else infer_reduction(weights, precision)
+    fit = infer_batch(weights, clients, precision)
     if fit.reduction is None:
         return (
             f"the loss weights of sample(s) {named or audited.tolist()} fit one sample's only at the "
@@ -785,10 +785,8 @@ def _judge_by_model(
             "client, and the update cannot tell which (how many samples there are is not determined)"
         )
         reduction = BatchReduction(None, None, None)
-    elif clients > 1:
-        reduction = infer_aggregate(cert.weights, clients, precision)
     else:
-        reduction = infer_reduction(cert.weights, precision)
+        reduction = infer_batch(cert.weights, clients, precision)
     verdict.reduction = reduction
     unfit = reduction.reduction is None and clients == 1
     partial = reduction_of_tight(cert.weights, precision) if unfit else None

@@ -308,6 +308,31 @@ def test_output_paths_that_cannot_be_written_fail_before_the_attack(tmp_path, mo
     assert link.is_symlink() and not target.exists()
 
 
+def test_a_run_that_fails_after_the_output_check_leaves_no_directories(tmp_path, monkeypatch):
+    """The output check creates ``--out`` and its parents to try them for real; a run that
+    failed later left them behind, empty (the roadmap of session 45). They are removed again
+    by the check; writing the results creates them."""
+    import spear.experiments
+    from spear.errors import SpearError
+
+    def fails(*args, **kwargs):
+        raise SpearError("the attack failed")
+
+    monkeypatch.setattr(spear.experiments, "run_experiment", fails)
+    out = tmp_path / "new" / "deeper" / "out"
+    result = runner.invoke(app, ["attack", *TINY, "--out", str(out)])
+    assert result.exit_code == 2 and "the attack failed" in result.output
+    assert not (tmp_path / "new").exists()
+    results = tmp_path / "fresh" / "r.jsonl"
+    monkeypatch.setattr(spear.experiments, "run_batches", fails)
+    result = runner.invoke(app, ["evaluate", *TINY, "--batches", "1", "--results", str(results)])
+    assert result.exit_code == 2 and not (tmp_path / "fresh").exists()
+    kept = tmp_path / "kept"
+    kept.mkdir()
+    result = runner.invoke(app, ["attack", *TINY, "--out", str(kept)])
+    assert result.exit_code == 2 and kept.is_dir()  # an existing directory stays
+
+
 def test_theory_beyond_float_range_reads_infinite():
     result = runner.invoke(app, ["theory", "--batch-size", "1100", "--width", "1200", "--json"])
     assert result.exit_code == 0, result.output

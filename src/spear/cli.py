@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import sys
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import Annotated
 
@@ -471,18 +471,17 @@ def evaluate(
 def _writable(path: Path, kind: str, option: str, files: tuple[str, ...] = ()) -> None:
     """Before the run: ``path`` can be written as a ``kind`` ("directory", holding ``files``, or
     "file"), tried for real (an attack's result must not be lost to a path that fails only at
-    the end). A directory is created now; a file or a directory's file is opened for appending
-    (an existing one is left as it is, a new one removed again). ``os.access`` alone said yes to
-    root and to /proc, and never looked at the files written inside a directory."""
+    the end). The directory and its missing parents are created, a file or a directory's file is
+    opened for appending (an existing one is left as it is), and what was new is removed again:
+    a run that fails later leaves nothing behind. ``os.access`` alone said yes to root and to
+    /proc, and never looked at the files written inside a directory."""
     if path.exists() and (path.is_dir() != (kind == "directory")):
         _fail(f"{option} {path} exists and is not a {kind}; name a {kind} (new or existing)")
+    folder = path if kind == "directory" else path.parent
+    created = [d for d in (folder, *folder.parents) if not d.exists()]  # deepest first
     try:
-        if kind == "directory":
-            path.mkdir(parents=True, exist_ok=True)
-            targets = [path / name for name in files]
-        else:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            targets = [path]
+        folder.mkdir(parents=True, exist_ok=True)
+        targets = [path / name for name in files] if kind == "directory" else [path]
         for target in targets:
             target = target.resolve()  # a symlink's target is what gets written, not the link
             if target.is_dir():
@@ -498,6 +497,10 @@ def _writable(path: Path, kind: str, option: str, files: tuple[str, ...] = ()) -
                 target.unlink()
     except OSError as exc:
         _fail(f"cannot write {option} {path}: {exc}")
+    finally:
+        for directory in created:
+            with suppress(OSError):  # one that something else wrote into meanwhile stays
+                directory.rmdir()
 
 
 def _check_out_dir(out: Path | None, files: tuple[str, ...]) -> None:

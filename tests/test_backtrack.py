@@ -227,14 +227,14 @@ def test_samples_are_traced_in_chunks_that_stop_at_the_deadline_and_reuse_the_sv
     assert_exact(whole.inputs, truth.inputs.double(), rtol=1e-9)
     looks = []
 
-    class SecondChunk(Deadline):  # passes at its fourth look: two SVDs, then one chunk traced
-        def passed(self) -> bool:
+    class SecondChunk(Deadline):  # passes at its second look: one chunk traced
+        def passed(self) -> bool:  # (with no time to wait for, the SVDs run in this thread)
             looks.append(1)
-            return len(looks) >= 4
+            return len(looks) >= 2
 
     monkeypatch.setattr(row_space_module, "CHUNK", 16)
     svds: dict = {}
-    cut = RowSpaceInverter(svds=svds, deadline=SecondChunk(0.0))(view.model, "4", view.gradients, rec)
+    cut = RowSpaceInverter(svds=svds, deadline=SecondChunk(None))(view.model, "4", view.gradients, rec)
     assert cut.exact.tolist() == [True] * 16 + [False] * 24 and not cut.verified
     assert torch.equal(cut.inputs[:16], whole.inputs[:16]) and bool(cut.inputs[16:].isnan().all())
     assert any("24 sample(s) not traced to the data: the time budget ran out" in n for n in cut.notes)

@@ -467,3 +467,102 @@ def test_an_attack_with_a_time_budget_runs_on_one_thread_while_the_machine_is_ov
         view.model, view.gradients, ["0"], seed=0, time_budget=3600.0, max_proposals=500, max_rounds=1
     )
     assert seen and set(seen) == {1} and threads["now"] == 2
+
+
+def _join_late_workers() -> None:
+    import threading
+
+    for worker in threading.enumerate():
+        if worker.name == "spear-uncut-work":
+            worker.join()
+
+
+def test_finish_by_runs_uncut_work_until_the_deadline_only():
+    """A unit that cannot be cut (one SVD) is waited for until the deadline, not past it: the
+    late work is blocked on an event, so the outcome does not depend on the machine's speed."""
+    import threading
+
+    from spear.core.deadline import LateError, finish_by
+
+    here = threading.get_ident()
+    assert finish_by(NEVER, threading.get_ident) == here  # no deadline: run in this thread
+    far = Deadline.after(3600.0)
+    assert finish_by(far, lambda: 7) == 7
+    with pytest.raises(ZeroDivisionError):
+        finish_by(far, lambda: 1 / 0)
+    with pytest.raises(LateError):
+        finish_by(PASSED, lambda: pytest.fail("started past the deadline"))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:  # the worker computes as the caller would: its thread count and grad mode
+        with torch.no_grad():
+            seen = finish_by(far, lambda: (torch.get_num_threads(), torch.is_grad_enabled()))
+    finally:
+        torch.set_num_threads(threads)
+    assert seen == (1, False)
+    release, results = threading.Event(), []
+
+    def late() -> str:
+        release.wait(30)  # released below (on a clock only if finish_by never returns)
+        results.append("late")
+        return "late"
+
+    with pytest.raises(LateError):
+        finish_by(Deadline.after(0.05), late)
+    release.set()
+    _join_late_workers()
+    assert results == ["late"]  # it ran to its end, and its value went nowhere
+
+
+def test_an_attack_whose_setup_outlasts_the_budget_ends_at_the_budget(monkeypatch):
+    """The gradient's SVD cannot be cut (review 45: a 0.5 s budget on a 1000 x 3072 first layer
+    ran 1.6 s; 0.2 s ran 2.2 s here). The attack now waits for its setup until the deadline and
+    reports the budget, with the batch size not read; the setup here waits on an event."""
+    import threading
+
+    import spear.core.reconstruct as reconstruct
+
+    client = make_client(8, width=60, seed=3)
+    release, build = threading.Event(), reconstruct.AttackSetup.build
+
+    def slow(*args, **kwargs):
+        release.wait(30)  # released by the test (on a clock only if the attack never returns)
+        return build(*args, **kwargs)
+
+    monkeypatch.setattr(reconstruct.AttackSetup, "build", slow)
+    try:
+        rec = spear.attack_layer(client.model, "0", client.grads, time_budget=0.05, seed=0)
+    finally:
+        release.set()
+        _join_late_workers()
+    assert rec.stats.stop_reason == "time budget" and rec.batch_size is None and not rec.verified
+    assert rec.inputs is None and rec.singular_values.numel() == 0 and rec.stats.proposals == 0
+    assert "ran out in the attack's setup" in rec.message and "60 x 784 gradient" in rec.message
+    assert rec.summary()["batch_size"] is None
+    monkeypatch.setattr(reconstruct.AttackSetup, "build", build)
+    whole = spear.attack_layer(client.model, "0", client.grads, time_budget=3600.0, seed=0)
+    assert whole.verified and whole.batch_size == 8
+
+
+def test_the_inverters_late_svd_is_dropped_not_cached(mnist, monkeypatch):
+    """A lower layer's SVD that outlasts the cascade's deadline ends the wait for it; when it
+    ends later, its result must not land in the cache (the cascade clears it on a subtraction,
+    and a stale SVD would then describe the wrong gradient)."""
+    import threading
+
+    from spear.core.backtrack import GradientSVD
+    from spear.inversion.row_space import RowSpaceInverter
+
+    view, _ = deep_mlp_round(mnist, 200, 12, 3)
+    rec = spear.attack_layer(view.model, "4", view.gradients, seed=0, max_proposals=50_000)
+    assert rec.verified
+    release, of = threading.Event(), GradientSVD.of
+    monkeypatch.setattr(GradientSVD, "of", lambda grad: release.wait(30) and of(grad))
+    svds: dict = {}
+    try:
+        cut = RowSpaceInverter(svds=svds, deadline=Deadline.after(0.05))(view.model, "4", view.gradients, rec)
+    finally:
+        release.set()
+        _join_late_workers()
+    assert not bool(cut.exact.any()) and not svds
+    assert any("12 sample(s) not traced to the data" in n for n in cut.notes)

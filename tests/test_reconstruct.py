@@ -140,6 +140,8 @@ def test_time_budget_stops(monkeypatch):
     clock = SimpleNamespace(perf_counter=lambda: 0.1 * next(ticks))
     monkeypatch.setattr(core, "time", clock)
     monkeypatch.setattr(spear.api, "time", clock)  # the budget counts from the call
+    # the setup runs here, not on a worker waited for on the real clock (tests/test_deadline.py)
+    monkeypatch.setattr(core, "finish_by", lambda deadline, work: work())
     client = make_client(22, width=200, seed=18)
     rec = spear.reconstruct(*client.layer_args(), time_budget=0.5, chunk_size=256, proposer="sampling")
     assert rec.stats.stop_reason == "time budget" and not rec.verified

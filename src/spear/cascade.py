@@ -376,6 +376,8 @@ class _Cascade:
         self.model = model
         self.plan = plan
         self.original = {k: v.detach() for k, v in gradients.items()}
+        #: each parameter's update norm, for :meth:`_largest_relative` (read every step)
+        self._sent = {k: float(v.to(torch.float64).norm()) for k, v in self.original.items()}
         self.residual = dict(self.original)
         self.found = _Found()
         self.steps: list[CascadeStep] = []
@@ -511,8 +513,7 @@ class _Cascade:
         and a review's float32 client read as float16, half of it found, came out explained
         and complete)."""
         worst = 0.0
-        for key, sent in self.original.items():
-            total = float(sent.to(torch.float64).norm())
+        for key, total in self._sent.items():
             if total == 0:  # not trained by the client (frozen, sent as zeros): nothing to explain
                 continue
             left = float(residual[key].to(torch.float64).norm())

@@ -112,13 +112,15 @@ def invert_relu_linear(
     output_precision: torch.Tensor | float,
     rtol: float,
     zero_rtol: float,
+    projected: torch.Tensor | None = None,
 ) -> TracedInputs:
     """Solve ``x_j`` from ``h_j = relu(W x_j + bias)`` within ``row_space`` (module docstring).
     ``outputs``: (k, m) the recovered ``h_j``, known to ``output_precision`` (relative; a
     number or one per sample); entries within ``zero_rtol`` of a sample's largest are inactive
     units (their equations are left out and checked as inequalities). Exact: the solution's
     estimated error (:func:`_solution_error`, relative to its largest entry) and its misfit are
-    both within ``rtol``."""
+    both within ``rtol``. ``projected``: ``W V^T`` (m, b) in float64 where the caller keeps it
+    for several calls (samples traced in chunks); computed here otherwise."""
     h, W = outputs.to(torch.float64), weight.to(torch.float64)
     bias, V = bias.to(torch.float64), row_space.basis.to(torch.float64)
     k, n = h.shape[0], V.shape[1]
@@ -131,7 +133,7 @@ def invert_relu_linear(
     inputs = torch.full((k, n), torch.nan, dtype=torch.float64)
     misfit = torch.full((k,), torch.inf, dtype=torch.float64)
     precision = torch.full((k,), torch.inf, dtype=torch.float64)
-    WV = W @ V.T  # (m, b)
+    WV = W @ V.T if projected is None else projected.to(torch.float64)  # (m, b)
     for j in range(k):
         A, rhs = WV[active[j]], (h[j] - bias)[active[j]]
         if A.shape[0] < A.shape[1]:

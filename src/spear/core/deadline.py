@@ -5,12 +5,23 @@ call, snapping a large batch of candidates, peeling them, a greedy sweep) can ta
 a wide layer. Each of those stages takes the attack's :class:`Deadline` and stops between its
 chunks once it has passed, so that a run ends within a small fraction of its budget. Work cut
 short is lost, never half-applied: a stage returns what it finished.
+
+A few units cannot be cut into chunks: one LAPACK call (the SVD of a 1000 x 3072 gradient
+takes 2 s on one thread) cannot be stopped once started. :func:`finish_by` runs such a unit on
+a worker thread and waits for it only until the deadline.
 """
 
 from __future__ import annotations
 
+import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TypeVar
+
+import torch
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -36,3 +47,43 @@ class Deadline:
 
 #: a deadline that never passes
 NEVER = Deadline(None)
+
+
+class LateError(Exception):
+    """Raised by :func:`finish_by` when its deadline passed before the work was done."""
+
+
+def finish_by(deadline: Deadline, work: Callable[[], T]) -> T:
+    """``work()``, or :class:`LateError` as soon as ``deadline`` passes with it unfinished.
+
+    For units that cannot be cut (one SVD, the attack's setup). Without a deadline the work runs
+    here. With one it runs on a worker thread that takes the caller's torch thread count (the
+    same bits as run here) and grad mode, and the caller waits for it until the deadline at
+    most. LateError work cannot be stopped: it runs to its end on that thread and its result is
+    dropped, so ``work`` must not change shared state (return what it computed, and let the
+    caller store it). The thread is not a daemon: Python waits for it at exit (a daemon thread
+    inside a LAPACK call at exit aborted the interpreter). Exceptions from ``work`` are raised
+    here; Ctrl-C stops the wait."""
+    if deadline.at is None:
+        return work()
+    if deadline.passed():
+        raise LateError
+    threads, grad = torch.get_num_threads(), torch.is_grad_enabled()
+    outcome: dict[str, object] = {}
+
+    def run() -> None:
+        torch.set_num_threads(threads)  # a new thread's LAPACK would take the default count
+        try:
+            with torch.set_grad_enabled(grad):
+                outcome["value"] = work()
+        except BaseException as exc:  # handed to the caller
+            outcome["error"] = exc
+
+    worker = threading.Thread(target=run, name="spear-uncut-work")
+    worker.start()
+    worker.join(max(0.0, deadline.seconds_left() or 0.0))
+    if worker.is_alive():
+        raise LateError
+    if "error" in outcome:
+        raise outcome["error"]  # type: ignore[misc]
+    return outcome["value"]  # type: ignore[return-value]

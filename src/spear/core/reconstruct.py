@@ -42,7 +42,7 @@ from spear.core.consistency import (
     rounding_map,
     zero_set_pins,
 )
-from spear.core.deadline import Deadline
+from spear.core.deadline import Deadline, LateError, finish_by
 from spear.core.diagnosis import (
     BELOW_THRESHOLD_NOTE_START,
     DIAGNOSABLE_RATIO,
@@ -1778,20 +1778,10 @@ def finish(
     more_budget = "a larger budget may not help (notes)" if faint else "raise max_proposals or time_budget"
     drawn = stats.proposals
     if selection is None:
-        return Reconstruction(
-            inputs=None,
-            grad_outputs=None,
-            sigma=float("nan"),
-            verified=False,
-            residual=float("inf"),
-            consistent_directions=0,
-            directions=None,
-            scales=None,
-            message=(
-                f"not recovered: {stats.candidates} exact candidate direction(s) found, "
-                f"{_short_of_a_basis(stats.candidates, b)} ({reason} after {drawn:,} proposals)"
-                f"{peeled_note}; {more_budget}"
-            ),
+        return Reconstruction.not_recovered(
+            f"not recovered: {stats.candidates} exact candidate direction(s) found, "
+            f"{_short_of_a_basis(stats.candidates, b)} ({reason} after {drawn:,} proposals)"
+            f"{peeled_note}; {more_budget}",
             **common,
         )
     if verdict is None:  # not perfect: the recomputation says how far it is
@@ -2028,6 +2018,35 @@ def _single_sample(setup: AttackSetup, gate: ModelGate) -> Reconstruction:
     return finish(setup, selection, verdict, gate, _no_peeled(setup), None, "trivial")
 
 
+def _cut_in_setup(shape: tuple[int, ...], options: AttackOptions, start: float) -> Reconstruction:
+    """The result of an attack whose time budget ran out in its setup (the SVD of dL/dW and the
+    problem built on it, :meth:`AttackSetup.build`): the batch size is not read yet."""
+    seconds = time.perf_counter() - start
+    stats = AttackStats(
+        proposals=0,
+        candidates=0,
+        seconds=seconds,
+        seed=options.seed,
+        proposer="none",
+        stop_reason="time budget",
+        threshold_count=0,
+        tau=0.0,
+    )
+    message = (
+        f"not recovered: the time budget ({options.time_budget:g} s) ran out in the attack's setup (the "
+        f"SVD of the {shape[0]} x {shape[1]} gradient, which cannot be cut), before the batch size was "
+        "read or any direction searched; give a larger time_budget"
+    )
+    return Reconstruction.not_recovered(
+        message,
+        batch_size=None,
+        singular_values=torch.empty(0, dtype=torch.float64),
+        stats=stats,
+        mode=options.sparsity,
+        notes=("the setup's SVD goes on in the background until it ends; its result is dropped",),
+    )
+
+
 def _short_of_a_basis(found: int, b: int) -> str:
     """Why ``found`` candidates gave no selection: too few, or (copies, mixtures of few samples)
     no ``b`` of them independent and well scaled (:func:`spear.core.greedy.greedy_filter`)."""
@@ -2063,7 +2082,14 @@ def run_attack(
     gradient; ``certifier`` (optional) checks samples one by one through the rest of the model
     (:mod:`spear.core.certificate`); ``start`` when the time budget began (now by default)."""
     layer = LayerTensors(weight, bias, grad_weight, grad_bias)
-    setup = AttackSetup.build(layer, options, source_dtype, next_grad_weight, next_weight, start)
+    start = time.perf_counter() if start is None else start
+    try:  # the gradient's SVD cannot be cut: the budget ends the wait for it
+        setup = finish_by(
+            Deadline.after(options.time_budget, start),
+            lambda: AttackSetup.build(layer, options, source_dtype, next_grad_weight, next_weight, start),
+        )
+    except LateError:
+        return _cut_in_setup(tuple(grad_weight.shape), options, start)
     if setup.b == 1:
         return _single_sample(setup, ModelGate(certifier))
     return _Attack(setup, certifier).run()

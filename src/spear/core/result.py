@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -123,7 +124,9 @@ class Reconstruction:
         inputs: (b, n) reconstructed batch in arbitrary order, or None when fewer than b
             independent directions were found (then ``message`` says so).
         grad_outputs: (m, b) reconstructed dL/dZ (columns in the order of ``inputs``).
-        batch_size: b, the numerical rank of dL/dW.
+        batch_size: b, the numerical rank of dL/dW; None when the time budget ran out before
+            it was read (in the setup's SVD, which cannot be cut: ``stats.stop_reason`` is then
+            "time budget" and ``singular_values`` empty).
         sigma: sparsity-matching coefficient of the result (Definition 4.1, tolerance-aware);
             1 means every entry of dL/dZ matches the ReLU pattern of the reconstructed
             pre-activations, both ways.
@@ -185,7 +188,7 @@ class Reconstruction:
 
     inputs: torch.Tensor | None
     grad_outputs: torch.Tensor | None
-    batch_size: int
+    batch_size: int | None
     sigma: float
     verified: bool
     residual: float
@@ -211,6 +214,23 @@ class Reconstruction:
     client_sizes: torch.Tensor | None = None
     input_precision: torch.Tensor | None = None
     certified_precision: torch.Tensor | None = None
+
+    @classmethod
+    def not_recovered(cls, message: str, **fields: Any) -> Reconstruction:
+        """A result without a batch (no b independent directions): nothing verified; ``fields``
+        are the rest (``batch_size``, ``singular_values``, ``stats``, ...)."""
+        return cls(
+            inputs=None,
+            grad_outputs=None,
+            sigma=float("nan"),
+            verified=False,
+            residual=float("inf"),
+            consistent_directions=0,
+            directions=None,
+            scales=None,
+            message=message,
+            **fields,
+        )
 
     def to(self, device: torch.device | str) -> Reconstruction:
         """This result with every tensor on ``device`` (e.g. ``rec.to("cpu")`` after an attack

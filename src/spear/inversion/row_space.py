@@ -18,7 +18,7 @@ from torch import nn
 
 from spear.core.backtrack import GradientSVD, RowSpace, invert_relu_linear
 from spear.core.consistency import Tolerances
-from spear.core.deadline import NEVER, Deadline
+from spear.core.deadline import NEVER, Deadline, LateError, finish_by
 from spear.core.result import Reconstruction
 from spear.errors import InputError
 from spear.inversion.base import Inversion, Inverter, acting_layers_below, layers_below
@@ -56,15 +56,19 @@ class RowSpaceInverter(Inverter):
         #: that inverts several times from the same gradients passes one dict
         self.svds: MutableMapping[str, GradientSVD] = {} if svds is None else svds
         #: no SVD and no chunk of samples (each traced through every layer) is started once
-        #: this has passed: the rest are left not exact, and a note says so
+        #: this has passed, and the wait for an SVD ends at it: the rest are left not exact,
+        #: and a note says so
         self.deadline = deadline
 
     def _linears_below(self, model: nn.Module, layer: str) -> list[tuple[str, nn.Linear]]:
         return [(n, m) for n, m in layers_below(model, layer) if isinstance(m, nn.Linear)]
 
     def _svd(self, name: str, gradients: Mapping[str, torch.Tensor]) -> GradientSVD:
+        """The layer's gradient SVD, cached; :class:`LateError` when the deadline passes during it
+        (it cannot be cut: the late one is dropped, not cached)."""
         if name not in self.svds:
-            self.svds[name] = GradientSVD.of(torch.as_tensor(gradients[_key(name)]).detach())
+            grad = torch.as_tensor(gradients[_key(name)]).detach()
+            self.svds[name] = finish_by(self.deadline, lambda: GradientSVD.of(grad))
         return self.svds[name]
 
     def applies(self, model: nn.Module, layer: str) -> bool:
@@ -108,10 +112,13 @@ class RowSpaceInverter(Inverter):
         k = hidden.shape[0]
         spaces = []
         for name, linear in reversed(linears):  # top first
-            if self.deadline.passed():  # no SVD is started late (one cannot be cut)
+            try:  # none is started late, and the wait for one ends at the deadline
+                svd = self._svd(name, gradients)  # its rank read at the containers' precision
+            except LateError:
                 break
-            svd = self._svd(name, gradients)  # its rank read at the containers' precision
-            spaces.append((linear, svd.row_space(svd.dtype, reconstruction.batch_size)))
+            space = svd.row_space(svd.dtype, reconstruction.batch_size)
+            # W V^T once per layer, not once per chunk of samples
+            spaces.append((linear, space, linear.weight.detach().to(torch.float64) @ space.basis.T))
         if len(spaces) < len(linears):
             spaces = []
         inputs = torch.full((k, linears[0][1].in_features), torch.nan, dtype=torch.float64)
@@ -137,21 +144,22 @@ CHUNK = 16
 
 def _trace(
     hidden: torch.Tensor,
-    spaces: list[tuple[nn.Linear, RowSpace]],
+    spaces: list[tuple[nn.Linear, RowSpace, torch.Tensor]],
     dtype: torch.dtype,
     tol: Tolerances,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Samples (k, width) of the attacked layer traced down through ``spaces`` (each lower
-    linear layer, top first, with its gradient's row space): their inputs, whether each is
-    exact, and each one's worst misfit (:func:`spear.core.backtrack.invert_relu_linear`)."""
+    linear layer, top first, with its gradient's row space and ``W V^T``): their inputs, whether
+    each is exact, and each one's worst misfit (:func:`spear.core.backtrack.invert_relu_linear`)."""
     inputs = hidden.to(torch.float64)
     exact = torch.ones(inputs.shape[0], dtype=torch.bool)
     worst = torch.zeros(inputs.shape[0], dtype=torch.float64)
     precision: torch.Tensor | float = torch.finfo(dtype).eps  # the recovered inputs'
-    for depth, (linear, space) in enumerate(spaces):
+    for depth, (linear, space, projected) in enumerate(spaces):
         bias = linear.bias.detach() if linear.bias is not None else torch.zeros(linear.out_features)
+        weight = linear.weight.detach()
         step = invert_relu_linear(
-            inputs, linear.weight.detach(), bias, space, precision, tol.verify_rtol, tol.zero_rtol
+            inputs, weight, bias, space, precision, tol.verify_rtol, tol.zero_rtol, projected
         )
         inputs, exact, worst = step.inputs, exact & step.exact, torch.maximum(worst, step.misfit)
         precision = step.precision

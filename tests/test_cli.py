@@ -103,6 +103,15 @@ def test_evaluate_resumes(tmp_path, monkeypatch):
     assert summary["batches"] == 3 and summary["accuracy"]["mean"] == 1.0
     assert summary["psnr"]["mean"] > 150 and summary["psnr"]["ci95"] is not None
     assert summary["label_accuracy"]["mean"] == 1.0 and summary["verified"] == 3
+    # review 46: another --seed in the same file reused its batches 0 and 1 as seeds 100 and 101
+    calls.clear()
+    other = ["evaluate", "--seed", "1", "--batches", "4", "--results", str(path), *TINY, "--json"]
+    third = runner.invoke(app, other)
+    assert third.exit_code == 0, third.output
+    assert calls == [3, 4]  # seeds 1 and 2 are in the file already, 3 and 4 are not
+    lines = [json.loads(line) for line in path.read_text().splitlines() if line.endswith("}")]
+    assert sorted(rec["settings"]["seed"] for rec in lines) == [0, 1, 2, 3, 4]
+    assert json.loads(third.stdout[third.stdout.index("{") :])["batches"] == 4
 
 
 def test_datasets_command():

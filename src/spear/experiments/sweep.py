@@ -51,20 +51,33 @@ def run_batches(
     progress_factory: Callable[[int], Callable | None] | None = None,
 ) -> list[dict]:
     """Run batches ``0..batches-1`` (seed = base.seed + i), appending each result to ``path`` as
-    soon as it is done; batches already in the file (same configuration) are skipped, so an
-    interrupted run resumes where it stopped."""
+    soon as it is done; batches already in the file (same configuration, same seed) are
+    skipped, so an interrupted run resumes where it stopped. A batch is its seed: one file can
+    hold runs from several ``--seed`` values (review 46: batch 0 of ``--seed 100`` was taken
+    for batch 0 of an earlier ``--seed 0``, and the old numbers came back as the new ones)."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    done = {rec["batch_index"] for rec in load_results(path, base.key())}
-    for i in range(batches):
-        if i in done:
+    seeds = [base.seed + i for i in range(batches)]
+    done = {_seed_of(rec) for rec in load_results(path, base.key())}
+    for i, seed in enumerate(seeds):
+        if seed in done:
             continue
-        settings = dataclasses.replace(base, seed=base.seed + i)
+        settings = dataclasses.replace(base, seed=seed)
         result = run_experiment(settings, progress_factory(i) if progress_factory else None)
         record = {"batch_index": i, **result.record}
         _append_line(path, dumps(record))
         if on_result:
             on_result(i, record)
-    return [r for r in load_results(path, base.key()) if r["batch_index"] < batches]
+        done.add(seed)
+    first: dict[int, dict] = {}
+    for rec in load_results(path, base.key()):
+        first.setdefault(_seed_of(rec), rec)  # one record per batch, even if a file repeats one
+    return [first[seed] for seed in seeds if seed in first]
+
+
+def _seed_of(record: dict) -> int | None:
+    """The seed a record's batch was drawn with."""
+    settings = record.get("settings")
+    return settings.get("seed") if isinstance(settings, dict) else None
 
 
 def _mean_ci(values: list[float]) -> dict[str, float | None]:

@@ -107,6 +107,21 @@ def test_dp_noise_is_seeded_and_epsilon_falls_with_more_noise(mnist):
     assert first.metadata["dp_epsilon"] == pytest.approx(eps[1])
 
 
+def test_the_largest_seeds_derive_their_clients_seeds_in_torchs_range(mnist):
+    """Review 46: ``seed * 1000 + k`` left torch's range from seeds of ~1e16 on, and DP-SGD
+    crashed in torch.Generator (FedAvg, Geiping's restarts and the vulnerability attacks too)."""
+    from spear.checks import MAX_SEED, derived_seed
+
+    assert derived_seed(5, 2) == 5002 and derived_seed(3, 4, 7919, 10_000) == 10_000 + 3 * 7919 + 4
+    assert all(0 <= derived_seed(MAX_SEED, k) <= MAX_SEED for k in range(3))
+    assert derived_seed(MAX_SEED, 0) != derived_seed(MAX_SEED, 1)
+    model = fully_connected(mnist.features, 60, 3, mnist.classes, seed=5)
+    noisy = DPSGD(noise_multiplier=1.0, max_grad_norm=1.0)
+    first, _ = simulate_round(model, mnist, 4, noisy, seed=MAX_SEED, clients=2)
+    again, _ = simulate_round(model, mnist, 4, noisy, seed=MAX_SEED, clients=2)
+    assert torch.equal(first.gradients["0.weight"], again.gradients["0.weight"])
+
+
 # --- secure aggregation --------------------------------------------------------------------------
 
 

@@ -36,6 +36,14 @@ def seed(value: Any) -> int:
     return checked
 
 
+def derived_seed(seed: int, index: int, stride: int = 1000, offset: int = 0) -> int:
+    """The seed of stream ``index`` of ``seed`` (a client of a round, a restart of an attack):
+    ``offset + seed * stride + index``, the one every earlier run used, reduced into
+    ``[0, MAX_SEED]`` (review 46: from seeds of ~1e16 on, ``seed * 1000`` left torch's range, and
+    DP-SGD, FedAvg, Geiping's restarts and the vulnerability attacks crashed in torch)."""
+    return (offset + seed * stride + index) % (MAX_SEED + 1)
+
+
 def finite_real(value: Any) -> bool:
     """Whether ``value`` is a finite real number (numpy scalars included; bools, strings and
     tensors are not)."""

@@ -23,6 +23,7 @@ import torch
 from spear.baselines.base import Attack, AttackOutput, AttackTarget
 from spear.baselines.labels import recover_labels
 from spear.baselines.matching import matching_loss, ordered_gradients, parameter_gradients
+from spear.checks import derived_seed
 from spear.errors import InputError
 from spear.inversion.optimization import total_variation
 
@@ -76,7 +77,7 @@ class GeipingAttack(Attack):
         labels = target.labels if target.labels is not None else recover_labels(target)
         best: OptimizationRun | None = None
         for restart in range(self.config.restarts):
-            trial = self._optimize(target, labels, seed=target.seed * 1000 + restart)
+            trial = self._optimize(target, labels, seed=derived_seed(target.seed, restart))
             if best is None or trial.best_loss < best.best_loss:
                 best = trial
         assert best is not None and best.best_inputs is not None

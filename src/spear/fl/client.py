@@ -119,7 +119,7 @@ def pretrain(
     dtype = next(model.parameters()).dtype
     for step in range(steps):
         images, labels = sample_batch(
-            dataset, min(batch_size, len(dataset)), seed=10_000 + seed * 7919 + step
+            dataset, min(batch_size, len(dataset)), seed=checks.derived_seed(seed, step, 7919, 10_000)
         )
         opt.zero_grad()
         loss = nn.functional.cross_entropy(model(dataset.normalize(images).to(dtype)), labels)
@@ -221,7 +221,7 @@ def simulate_round(
     total: dict[str, torch.Tensor] = {}
     for k in range(clients):
         part = owner == k
-        update = protocol.client_update(model, inputs[part], labels[part], seed=seed * 1_000 + k)
+        update = protocol.client_update(model, inputs[part], labels[part], seed=checks.derived_seed(seed, k))
         total = update if not total else {name: total[name] + update[name] for name in total}
     metadata = {"dataset": dataset.name, **protocol.settings(), "clients": clients}
     view = ServerView(copy.deepcopy(model), total, protocol.name, metadata)

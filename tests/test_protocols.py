@@ -231,6 +231,15 @@ def test_fedavg_replay_refuses_what_it_cannot_confirm(mnist):
     rec = spear.attack_layer(view.model, "0", view.gradients, certify=False, max_proposals=100_000)
     rec = mixed.certify(view.model, view.gradients, rec)
     assert not rec.verified and "not searched" in rec.message
+    # review 46: two clients' updates summed (secure aggregation); the replay of one client on
+    # all 8 samples missed by the factor the sum makes, and the message blamed the data
+    one_step = FedAvg(epochs=1, batch_size=None, lr=0.1)
+    view, truth = simulate_round(model, mnist, 4, one_step, seed=8, clients=2)
+    rec = spear.attack_layer(view.model, "0", view.gradients, certify=False, max_proposals=100_000)
+    assert_exact(rec.inputs, truth.inputs)
+    summed = one_step.certify(view.model, view.gradients, rec, clients=2)
+    assert not summed.verified and "sums 2 clients' local trainings" in summed.message
+    assert torch.equal(summed.inputs, rec.inputs)
 
 
 def test_replay_refuses_a_layer_whose_inputs_are_not_the_data(mnist):

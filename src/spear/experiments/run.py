@@ -238,7 +238,7 @@ def run_experiment(settings: ExperimentSettings, progress=None) -> ExperimentRes
         sparsity=sparsity,
         **protocol.attack_options(view.model, view.gradients),
     ).to("cpu")  # where the model and the evaluation are, whatever device the attack ran on
-    rec = protocol.certify(view.model, view.gradients, rec)
+    rec = protocol.certify(view.model, view.gradients, rec, clients=settings.clients)
     inversion = None
     if acting_layers_below(view.model, layer) and rec.inputs is not None and rec.grad_outputs is not None:
         inversion = invert_to_inputs(

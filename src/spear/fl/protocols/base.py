@@ -46,10 +46,11 @@ class Protocol(ABC):
             raise InputError("the client's batch size must be >= 1")
 
     def certify(
-        self, model: nn.Module, update: dict[str, torch.Tensor], rec: Reconstruction
+        self, model: nn.Module, update: dict[str, torch.Tensor], rec: Reconstruction, clients: int = 1
     ) -> Reconstruction:
         """A protocol-specific certificate of an attack's result on the first layer (FedAvg
-        replays the local training); by default the attack's own verdict stands."""
+        replays the local training) of an update summed over ``clients`` clients (secure
+        aggregation); by default the attack's own verdict stands."""
         return rec
 
     def attack_options(self, model: nn.Module, update: dict[str, torch.Tensor]) -> dict[str, Any]:

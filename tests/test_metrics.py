@@ -199,3 +199,18 @@ def test_no_estimates_integer_references_and_missing_tabular_rows():
     for name, values in result.per_sample.items():
         if name != "exact":
             assert math.isnan(values[3]) and values[:3] == [1.0, 1.0, 1.0], name
+
+
+def test_label_accuracy_of_unknown_labels_is_not_a_score():
+    """Review 46: a run whose labels all came back unknown (-1) read label accuracy 0.0, as if
+    every label were recovered wrong; unknown labels are not recovered ones."""
+    import math
+
+    from spear.experiments.evaluation import label_accuracy
+
+    x = torch.rand(3, 5, dtype=torch.float64)
+    truth = torch.tensor([1, 2, 3])
+    assert math.isnan(label_accuracy(x, torch.full((3,), -1), x, truth))
+    assert math.isnan(label_accuracy(x, None, x, truth))
+    assert label_accuracy(x, torch.tensor([1, -1, 0]), x, truth) == 1 / 3
+    assert label_accuracy(x.flip(0), truth.flip(0), x, truth) == 1.0  # matched by inputs

@@ -125,6 +125,19 @@ def test_the_largest_seeds_derive_their_clients_seeds_in_torchs_range(mnist):
 # --- secure aggregation --------------------------------------------------------------------------
 
 
+def test_secure_aggregation_told_too_many_clients_says_how_many_the_samples_make(mnist):
+    """Review 46: one client of 4 attacked as two was verified (its samples are proven) with the
+    note "clients of 4 samples each", which reads as 8 samples; the note now counts them."""
+    model = fully_connected(mnist.features, 100, 3, mnist.classes, seed=0)
+    view, _ = simulate_round(model, mnist, 4, seed=0, clients=1)
+    told = spear.attack_layer(view.model, "0", view.gradients, seed=0, clients=2, max_proposals=20_000)
+    counted = "make 1 client(s)' worth at those weights, not the 2 told"
+    assert told.verified and any(counted in n for n in told.notes)
+    view, _ = simulate_round(model, mnist, 4, seed=0, clients=2)
+    right = spear.attack_layer(view.model, "0", view.gradients, seed=0, clients=2, max_proposals=20_000)
+    assert right.verified and not any("told" in n for n in right.notes)
+
+
 def test_secure_aggregation_recovers_every_clients_batch(mnist):
     model = fully_connected(mnist.features, 300, 4, mnist.classes, seed=6)
     view, truth = simulate_round(model, mnist, 6, seed=6, clients=3)

@@ -833,20 +833,30 @@ def _judge_by_model(
 
 
 def aggregate_note(client_sizes: torch.Tensor, clients: int) -> str:
-    """What secure aggregation leaves of the samples' provenance."""
+    """What secure aggregation leaves of the samples' provenance, and how many clients' worth of
+    samples the update holds (each client's B_k samples carry 1/B_k each: one client's worth)
+    where that differs from the ``clients`` told (review 46: one client of 4 attacked as two
+    was noted "clients of 4 samples each" beside its 4 samples)."""
     sizes = sorted({int(v) for v in client_sizes.tolist()})
+    shown = float((1.0 / client_sizes.to(torch.float64)).sum())
+    count = (
+        ""
+        if round(shown) == clients
+        else f"; these {client_sizes.numel()} samples make {shown:g} client(s)' worth at those weights, "
+        f"not the {clients} told: the other client(s) sent no samples, or the count told is not the update's"
+    )
     if len(sizes) == 1:
         return (
             f"secure aggregation over {clients} clients: every sample carries 1/{sizes[0]}, as from "
             f"clients of {sizes[0]} samples each (a client repeating each of its samples equally "
-            "often gives the same update); which client each sample came from is not determined"
+            f"often gives the same update); which client each sample came from is not determined{count}"
         )
     groups = {size: (client_sizes == size).nonzero()[:, 0].tolist() for size in sizes}
     listed = "; ".join(f"samples {idx} from client(s) of {size}" for size, idx in groups.items())
     return (
         f"secure aggregation over {clients} clients, told apart by their batch sizes as far as the "
         f"update shows: {listed} (a client repeating each of its samples equally often gives the "
-        "update of a smaller client)"
+        f"update of a smaller client){count}"
     )
 
 

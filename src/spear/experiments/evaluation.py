@@ -166,9 +166,10 @@ def _data_metrics(dataset: Dataset):
 def label_accuracy(
     estimate: torch.Tensor, labels: torch.Tensor | None, truth: torch.Tensor, true_labels: torch.Tensor
 ) -> float:
-    """Fraction of samples whose recovered label is the true one, after matching the inputs
-    (NaN when the attack recovered no labels)."""
-    if labels is None or estimate.shape[0] != truth.shape[0]:
+    """Fraction of samples whose recovered label is the true one, after matching the inputs; an
+    unknown label (-1) is not a recovered one. NaN when the attack recovered no labels (None, or
+    every one unknown: review 46 read 0.0 for an autocast run whose labels were all unknown)."""
+    if labels is None or estimate.shape[0] != truth.shape[0] or not bool((labels >= 0).any()):
         return NAN
     est, ref = match_samples(estimate.to(torch.float64), truth.to(torch.float64))
     return float((labels.cpu()[est] == true_labels.cpu()[ref]).double().mean())

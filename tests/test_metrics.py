@@ -1,6 +1,7 @@
 """Metrics against reference implementations (scikit-image) and their defining properties."""
 
 import math
+import re
 
 import numpy as np
 import pytest
@@ -190,7 +191,9 @@ def test_no_estimates_integer_references_and_missing_tabular_rows():
     empty = evaluate_batch(ref[:0], ref, [MSE()])
     assert empty.exact_samples == 0 and all(math.isnan(v) for v in empty.per_sample["mse"])
     counts = torch.randint(0, 255, (3, 1, 4, 4), generator=torch.Generator().manual_seed(0)).to(torch.uint8)
-    assert evaluate_batch(counts.double(), counts, [MSE()]).exact
+    with pytest.raises(InputError, match="divide 8-bit images by 255"):  # review 46: not scored as if in [0, 1]
+        evaluate_batch(counts.double(), counts, [MSE()])
+    assert evaluate_batch(counts.double() / 255, counts.double() / 255, [MSE()]).exact
     from spear.data import load_dataset
 
     adult = load_dataset("adult")
@@ -214,3 +217,47 @@ def test_label_accuracy_of_unknown_labels_is_not_a_score():
     assert math.isnan(label_accuracy(x, None, x, truth))
     assert label_accuracy(x, torch.tensor([1, -1, 0]), x, truth) == 1 / 3
     assert label_accuracy(x.flip(0), truth.flip(0), x, truth) == 1.0  # matched by inputs
+
+
+def test_image_metrics_refuse_references_outside_their_data_range():
+    """Review 46: [0, 255] images one grey level apart scored PSNR 0 dB, uint8 ones were taken,
+    and one NaN pixel in the truth scrambled the matching of every other sample (8 exact
+    estimates counted 6). The truth is checked; estimates may leave [0, 1] (DLG's do)."""
+    x = torch.rand(3, 1, 6, 6, dtype=torch.float64)
+    for bad, words in (
+        (x * 255, "scale [0, 255] images by 1/255"),
+        ((x * 255).to(torch.uint8), "divide 8-bit images by 255"),
+        (torch.where(x > 0.5, torch.nan, x), "NaN or Inf"),
+        (x[:, :, :0], "with pixels"),
+    ):
+        for metric in (PSNR(), SSIM(), MSE()):
+            with pytest.raises(InputError, match=re.escape(words)):
+                metric(x[:, :, : bad.shape[2]], bad)
+    nan_truth = x.clone()
+    nan_truth[0, 0, 0, 0] = float("nan")
+    with pytest.raises(InputError, match="truth must be finite"):
+        evaluate_batch(x, nan_truth, metrics=[])
+    wild = x * 3 - 1  # an estimate outside [0, 1] is scored, not refused
+    assert bool(torch.isfinite(PSNR()(wild, x)).all()) and bool(torch.isfinite(SSIM()(wild, x)).all())
+
+
+def test_lpips_is_na_for_images_it_does_not_take():
+    """Review 46: 2- and 4-channel (RGBA) images crashed inside torch in LPIPS, a default metric."""
+    rgba = torch.rand(2, 4, 8, 8, dtype=torch.float64)
+    result = evaluate_batch(rgba, rgba)
+    assert math.isnan(result.means["lpips"]) and result.means["psnr"] == math.inf and result.exact
+    with pytest.raises(InputError, match="1 or 3 channels"):
+        LPIPS()(rgba, rgba)
+
+
+def test_ssim_of_images_one_pixel_high_is_the_per_pixel_ssim():
+    """Review 46: pytorch-msssim drops size-1 dimensions, and 1 x W images failed inside it. With
+    a one-tap window SSIM is per pixel: the same pixels laid out 2 x 2 score the same."""
+    g = torch.Generator().manual_seed(0)
+    a, b = torch.rand(2, 3, 1, 4, generator=g, dtype=torch.float64), torch.rand(2, 3, 1, 4, generator=g)
+    b = b.double()
+    square = SSIM()(a.reshape(2, 3, 2, 2), b.reshape(2, 3, 2, 2))
+    assert torch.allclose(SSIM()(a, b), square, rtol=1e-12)
+    assert torch.allclose(SSIM()(a.transpose(2, 3), b.transpose(2, 3)), square, rtol=1e-12)
+    one = SSIM()(a[..., :1], b[..., :1])
+    assert one.shape == (2,) and bool(torch.isfinite(one).all())

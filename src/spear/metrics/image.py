@@ -42,7 +42,9 @@ class SSIM(Metric):
     """Structural similarity, data range 1, Gaussian window sigma 1.5 of 11 taps (fewer for images
     smaller than 11 pixels), no border padding: pytorch-msssim's definition, which equals
     scikit-image's ``structural_similarity(gaussian_weights=True, sigma=1.5,
-    use_sample_covariance=False, data_range=1)`` (tested)."""
+    use_sample_covariance=False, data_range=1)`` (tested). The estimate is clipped to [0, 1]
+    first, as an image is shown (the reference is checked to lie there); PSNR and MSE take it as
+    it is. Images one pixel high or wide have a one-tap window: SSIM per pixel, averaged."""
 
     name = "ssim"
 
@@ -51,13 +53,12 @@ class SSIM(Metric):
 
         self.check(estimate, reference)
         win = ssim_window(*estimate.shape[-2:])
-        return ssim(
-            estimate.double().clamp(0, 1),
-            reference.double(),
-            data_range=1.0,
-            size_average=False,
-            win_size=win,
-        )
+        estimate, reference = estimate.double().clamp(0, 1), reference.double()
+        if min(estimate.shape[-2:]) == 1:  # pytorch-msssim drops size-1 dimensions: repeat them
+            size = [max(2, s) for s in estimate.shape[-2:]]  # (a one-tap map's mean is unchanged)
+            estimate = estimate.expand(*estimate.shape[:2], *size)
+            reference = reference.expand(*reference.shape[:2], *size)
+        return ssim(estimate, reference, data_range=1.0, size_average=False, win_size=win)
 
 
 def batch_exact(estimate: torch.Tensor, reference: torch.Tensor, atol: float = 1e-6) -> torch.Tensor:

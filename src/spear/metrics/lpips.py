@@ -18,6 +18,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from spear.errors import InputError
 from spear.metrics.base import Metric, register
 
 SHIFT = (-0.030, -0.088, -0.188)
@@ -93,9 +94,18 @@ class LPIPS(Metric):
     def available(self) -> bool:
         return lpips_available()
 
+    def accepts(self, reference: torch.Tensor) -> bool:
+        """Grey or RGB images (AlexNet takes 3 channels; grey ones are repeated): 2- or 4-channel
+        images (RGBA) crashed inside torch (review 46); they are n/a in evaluate_batch."""
+        return reference.ndim == 4 and reference.shape[1] in (1, 3)
+
     @torch.no_grad()
     def __call__(self, estimate: torch.Tensor, reference: torch.Tensor) -> torch.Tensor:
         self.check(estimate, reference)
+        if not self.accepts(reference):
+            raise InputError(
+                f"LPIPS takes grey or RGB images (1 or 3 channels), got {reference.shape[1]} channels"
+            )
         if not self.available():
             return torch.full((estimate.shape[0],), float("nan"), dtype=torch.float64)
         _, lins = _load()

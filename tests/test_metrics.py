@@ -191,7 +191,7 @@ def test_no_estimates_integer_references_and_missing_tabular_rows():
     empty = evaluate_batch(ref[:0], ref, [MSE()])
     assert empty.exact_samples == 0 and all(math.isnan(v) for v in empty.per_sample["mse"])
     counts = torch.randint(0, 255, (3, 1, 4, 4), generator=torch.Generator().manual_seed(0)).to(torch.uint8)
-    with pytest.raises(InputError, match="divide 8-bit images by 255"):  # review 46: not scored as if in [0, 1]
+    with pytest.raises(InputError, match="divide 8-bit images by 255"):  # review 46: not as [0, 1]
         evaluate_batch(counts.double(), counts, [MSE()])
     assert evaluate_batch(counts.double() / 255, counts.double() / 255, [MSE()]).exact
     from spear.data import load_dataset

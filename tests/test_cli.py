@@ -342,6 +342,30 @@ def test_a_run_that_fails_after_the_output_check_leaves_no_directories(tmp_path,
     assert result.exit_code == 2 and kept.is_dir()  # an existing directory stays
 
 
+def test_errors_known_from_the_arguments_come_before_the_work(monkeypatch):
+    """Review 46: vulnerability --evaluate on tabular data and --iterations 0 failed only after
+    every sample's proxies (~3 s a sample); CNN + DP-SGD failed after the Opacus client ran,
+    naming an option the user never gave (sample_weights)."""
+    import spear.experiments.vulnerability as vulnerability
+
+    def never(*args, **kwargs):
+        raise AssertionError("the work ran before the arguments were refused")
+
+    monkeypatch.setattr(vulnerability.ClientCase, "proxies", never)
+    args = ["vulnerability", "-b", "2", "--width", "20", "--depth", "2", "--evaluate"]
+    tabular = runner.invoke(app, [*args, "-d", "adult"])
+    assert tabular.exit_code == 2 and "need image data" in tabular.output
+    zero = runner.invoke(app, [*args, "--iterations", "0"])
+    assert zero.exit_code == 2 and "--iterations must be >= 1" in zero.output
+    import spear.experiments.run as run
+
+    monkeypatch.setattr(run, "simulate_round", never)
+    dp = runner.invoke(app, ["attack", "-b", "2", "--model", "cnn", "--protocol", "dpsgd"])
+    text = " ".join(dp.output.split())
+    assert dp.exit_code == 2 and "--protocol dpsgd is attacked through the layer that takes the data" in text
+    assert "sample_weights" not in text
+
+
 def test_theory_beyond_float_range_reads_infinite():
     result = runner.invoke(app, ["theory", "--batch-size", "1100", "--width", "1200", "--json"])
     assert result.exit_code == 0, result.output

@@ -663,14 +663,16 @@ def vulnerability(
         _fail(f"unknown prox(ies) {', '.join(unknown)}; choose from {', '.join(PROXIES)}")
     settings = _settings(**_experiment_options(locals()), device="cpu", proposer="auto")
     _check_out_dir(out, ("vulnerability.json",))
+    options = _baseline_options(iterations) if evaluate_proxies else {}  # before the proxies' minutes
     console = Console(stderr=json_output)
     try:
         case = ClientCase.draw(settings)
+        if evaluate_proxies:
+            case.check_scorable()
         ranked = case.proxies(names, progress=lambda i, b: console.print(f"proxies: sample {i}/{b}"))
         output: dict = {"settings": settings.as_dict(), "samples": ranked.records()}
         output["ranking"] = ranked.ranking
         if evaluate_proxies:
-            options = _baseline_options(iterations)
             scores = {
                 method: case.attack_each_sample(method, options.get(method))
                 for method in ATTACK_FOR_LOSS.values()

@@ -184,6 +184,13 @@ def prepare_model(settings: ExperimentSettings, dataset: Dataset) -> tuple[torch
         )
     if settings.protocol == "fedavg":
         replay_layer(model, layer)  # the replay certificate needs the data at this layer
+    if settings.protocol == "dpsgd" and acting_layers_below(model, layer):
+        # before the Opacus client runs (review 46: the attack refused later, naming sample_weights)
+        raise InputError(
+            f"--protocol dpsgd is attacked through the layer that takes the data (each sample's clipping "
+            f"factor is read off its input); this {settings.model}'s layer {layer!r} sees features: use "
+            "the MLP, or --protocol fedsgd"
+        )
     if settings.pretrain_steps:
         pretrain(model, dataset, settings.pretrain_steps, seed=settings.seed)
     return model, layer, layers[layer]

@@ -566,3 +566,74 @@ def test_the_inverters_late_svd_is_dropped_not_cached(mnist, monkeypatch):
         _join_late_workers()
     assert not bool(cut.exact.any()) and not svds
     assert any("12 sample(s) not traced to the data" in n for n in cut.notes)
+
+
+def test_late_work_still_running_is_waited_for_before_new_work_starts():
+    """Review 46b: an SVD cut by one attack's budget ran on beside the next attacks, which then
+    ran out of time in their own setup. Later uncut work waits for it, within its own deadline."""
+    import threading
+
+    from spear.core.deadline import LateError, finish_by
+
+    release, started = threading.Event(), []
+    with pytest.raises(LateError):
+        finish_by(Deadline.after(0.05), lambda: release.wait(30))
+    try:
+        with pytest.raises(LateError):  # the first still runs: this one is not even started
+            finish_by(Deadline.after(0.05), lambda: started.append(1))
+        assert not started
+    finally:
+        release.set()
+    assert finish_by(Deadline.after(3600.0), lambda: started.append(2) or "done") == "done"
+    assert started == [2]
+    _join_late_workers()
+
+
+def test_ctrl_c_while_waiting_for_uncut_work_does_not_abort_the_interpreter(tmp_path):
+    """Review 46b: Ctrl-C during ``Thread.join`` marked the worker (inside an SVD) finished, so
+    Python's exit did not wait for it and aborted (SIGABRT, "terminate called without an active
+    exception") in 4 of 6 runs. The wait is on an event now; the exit waits for the worker."""
+    import subprocess
+    import sys
+    import textwrap
+
+    script = tmp_path / "interrupted.py"
+    script.write_text(
+        textwrap.dedent(
+            """
+            import os, signal, threading, time, torch
+            from spear.core.deadline import Deadline, finish_by
+            torch.set_num_threads(1)
+            a = torch.randn(300, 300, dtype=torch.float64)
+            threading.Timer(0.3, lambda: os.kill(os.getpid(), signal.SIGINT)).start()
+            try:
+                finish_by(Deadline.after(3600.0), lambda: [torch.linalg.svd(a) for _ in range(60)])
+            except KeyboardInterrupt:
+                print("interrupted", flush=True)
+            """
+        )
+    )
+    run = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, (run.returncode, run.stderr[-500:])
+    assert "interrupted" in run.stdout and "terminate called" not in run.stderr
+
+
+def test_a_peeler_that_would_outlast_the_budget_is_not_built(monkeypatch):
+    """The peeler's SVD of the next layer's gradient cannot be cut either (review 46b: 3.75 s on a
+    loaded machine, a 3 s budget ran 7.5 s): past the deadline the attack goes on without it."""
+    import spear.core.reconstruct as reconstruct
+    from spear.core.deadline import LateError
+
+    asked = []
+
+    def peeler_late(deadline, work):
+        if getattr(work, "__name__", "") == "make_peeler":
+            asked.append(1)
+            raise LateError
+        return work()
+
+    client = make_client(12, width=80, seed=3)
+    monkeypatch.setattr(reconstruct, "finish_by", peeler_late)
+    rec = spear.attack_layer(client.model, "0", client.grads, seed=0, max_proposals=512, time_budget=3600.0)
+    assert asked == [1] and rec.batch_size == 12 and rec.stats.proposals <= 512
+    assert rec.stats.stop_reason in ("budget", "sigma=1", "explained", "exhausted")

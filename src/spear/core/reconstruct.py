@@ -562,10 +562,13 @@ class _Attack:
             device=factor.device,
             duplicate_cos=noisy_duplicate_cos(setup.split),
         )
-        # a setup that outlasted the time budget (one slow SVD on a loaded machine) builds no
-        # peeler: its own SVD would only add to the overrun of an attack that cannot search
+        # the peeler's own SVD (of the next layer's gradient) cannot be cut either: waited for
+        # until the deadline only (review 46b: 3.75 s on a loaded machine, a 3 s budget ran 7.5 s)
+        try:
+            self.peeler = finish_by(setup.deadline, setup.make_peeler)
+        except LateError:
+            self.peeler = None
         late = setup.deadline.passed()
-        self.peeler = None if late else setup.make_peeler()
         self.peeled = PeeledSamples.empty(
             setup.b,
             setup.problem.R.shape[1],
@@ -582,22 +585,11 @@ class _Attack:
         #: (by ``pin_inputs``: the self-pinning candidates' peeler, and the dense candidates')
         self.singleton_peelers: dict[bool, InputSidePeeler] | None = None
         if opts.peel and opts.sparsity == "output" and self.peeler is None and self.gate.active and not late:
-            tol, problem = setup.tol, as_input_problem(setup.problem)
-            columns = setup.column_model(certifier)
-            peelers = {
-                pin: InputSidePeeler(
-                    problem,
-                    tol.verify_rtol,
-                    tol.z_rtol,
-                    tol.zero_rtol,
-                    pin,
-                    predict_columns=columns,
-                    rounding=setup.measured_rounding,
-                    snap=True,
-                )
-                for pin in (True, False)
-            }
-            self.singleton_peelers = peelers if peelers[True].usable else None
+            try:
+                peelers = finish_by(setup.deadline, lambda: _singleton_peelers(setup, certifier))
+            except LateError:
+                peelers = None
+            self.singleton_peelers = peelers if peelers is not None and peelers[True].usable else None
         root = ProposalContext(
             L=factor,
             batch_size=setup.b,
@@ -2056,6 +2048,25 @@ def _short_of_a_basis(found: int, b: int) -> str:
         f"but no b={b} of them form an independent, well-scaled selection (e.g. copies of fewer "
         "samples, or candidates the model refuted)"
     )
+
+
+def _singleton_peelers(setup: AttackSetup, certifier: SampleCertifier | None) -> dict[bool, InputSidePeeler]:
+    """The LT cascade's peelers (self-pinning candidates' and dense ones'), keyed by ``pin``."""
+    tol, problem = setup.tol, as_input_problem(setup.problem)
+    columns = setup.column_model(certifier)
+    return {
+        pin: InputSidePeeler(
+            problem,
+            tol.verify_rtol,
+            tol.z_rtol,
+            tol.zero_rtol,
+            pin,
+            predict_columns=columns,
+            rounding=setup.measured_rounding,
+            snap=True,
+        )
+        for pin in (True, False)
+    }
 
 
 def _no_peeled(setup: AttackSetup) -> PeeledSamples:

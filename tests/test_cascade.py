@@ -67,6 +67,37 @@ def test_float32_updates_complete_to_float32_precision(mnist):
     _assert_labels(result, truth)
 
 
+def test_a_residuals_subtraction_rounding_is_not_read_as_a_missing_sample(mnist):
+    """The frontier's float32 seed 0 (6 x 1000, b = 256) stopped at 255 of 256: the last sample
+    alone in the residual, every attack on it unverified, since subtracting the others leaves
+    the update's rounding on the rows it does not activate, read as a missing sample's
+    (``uncovered``). Here at CI size with the true samples subtracted but one: the cascade's
+    ``row_noise`` (its verification tolerance of the update's rows) lets the attacks verify it,
+    and nothing where nothing was subtracted."""
+    from spear.cascade import _Cascade, _Plan
+
+    view, truth = deep_mlp_round(mnist, 200, 24, 0, torch.float32)
+    cascade = _Cascade(view.model, view.gradients, _Plan(["2"], None, None, 1, "cross_entropy", None, {}))
+    assert cascade._row_noise("0") is None  # nothing subtracted: every nonzero row counts
+    others, lone = truth.inputs[1:].double(), truth.inputs[:1].double()
+    weights = torch.full((23,), 1 / 24, dtype=torch.float64)
+    cascade.found.add(others, truth.labels[1:], weights, "2")
+    for name, grad in per_sample_gradients(view.model, others, truth.labels[1:], weights).items():
+        cascade.residual[name] = (cascade.residual[name].double() - grad).float()
+    options = {"client_dtype": torch.float32, "seed": 0, "max_proposals": 500}
+    raw = spear.attack_layer(view.model, "0", cascade.residual, **options)
+    assert raw.batch_size == 1 and not raw.verified and "inactive for every sample" in raw.message
+    for layer in ("2", "0"):
+        rec = spear.attack_layer(
+            view.model, layer, cascade.residual, row_noise=cascade._row_noise(layer), **options
+        )
+        assert rec.verified and rec.batch_size == 1, rec.message
+    assert_exact(rec.inputs, lone, rtol=1e-3)
+    assert cascade._unexplained() > 1e-2  # the lone sample is not explained: read off the residual
+    with pytest.raises(spear.InputError, match="row_noise must be"):
+        spear.attack_layer(view.model, "0", cascade.residual, row_noise=torch.ones(3), **options)
+
+
 def test_samples_without_a_trace_keep_the_result_incomplete(mnist):
     # the client's mean was over 50 samples but only 48 left a gradient (scaled as if two had a
     # zero gradient): everything is explained, yet the weights 1/50 count two samples missing

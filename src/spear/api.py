@@ -402,6 +402,14 @@ def reconstruct(
             "range in the factorization; rescale the update (e.g. by a power of 2 for its entries to be "
             "~1; the samples' weights then read scaled by the same factor)"
         )
+    if opts.row_noise is not None:
+        noise = _as_tensor("row_noise", opts.row_noise)
+        if tuple(noise.shape) != (m,) or not bool(torch.isfinite(noise).all()) or bool((noise < 0).any()):
+            raise InputError(
+                f"row_noise must be ({m},): each row of dL/dW's noise (a norm, finite and >= 0), got "
+                f"shape {tuple(noise.shape)}"
+            )
+        opts = dataclasses.replace(opts, row_noise=noise.to(device=device, dtype=opts.dtype))
     if certifier is not None and not callable(certifier):
         raise InputError(
             "certifier must be a spear.core.certificate.SampleCertifier (e.g. spear.certify.ModelCertifier; "

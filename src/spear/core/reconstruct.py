@@ -459,6 +459,7 @@ class AttackSetup:
             self.tol.verify_rtol,
             self.tol.z_rtol,
             exact=not self.split.noisy,
+            row_noise=self.options.row_noise,
         )
         return (inputs, grad_outputs), check
 

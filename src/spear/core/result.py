@@ -71,6 +71,11 @@ class AttackOptions:
             None: read off the gradient's entries (:func:`spear.api.stored_precision`); set it
             where they no longer show it (a residual after certified samples were subtracted,
             as :func:`spear.attack_model` does).
+        row_noise: (m,) how large each row of dL/dW may be without a sample in it (its norm):
+            the noise that subtracting certified samples leaves in a residual, which
+            :func:`spear.attack_model` passes. A live row that no sample of a batch activates
+            proves a missing sample (:func:`spear.core.verify.uncovered_rows`) only above it.
+            None: every nonzero row counts.
     """
 
     max_proposals: int | None = None
@@ -93,6 +98,7 @@ class AttackOptions:
     stop_when: Callable[[torch.Tensor, torch.Tensor], bool] | None = field(default=None, compare=False)
     progress: Callable[[ProgressEvent], None] | None = field(default=None, compare=False)
     client_dtype: torch.dtype | None = None
+    row_noise: torch.Tensor | None = field(default=None, compare=False)
 
 
 @dataclass(frozen=True)

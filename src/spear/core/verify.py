@@ -111,12 +111,14 @@ def verify(
     rtol: float,
     z_rtol: float = 0.0,
     exact: bool = False,
+    row_noise: torch.Tensor | None = None,
 ) -> Verification:
     """Compare the recomputed gradients with the observed ones (relative Frobenius error);
     ``z_rtol``: the band of sign-less pre-activations (:func:`recompute_gradients`), relative to
     each sample's largest on the neurons the observed gradient shows alive. ``exact``: the
     gradient carries no noise beyond rounding, so (output mode) a live row that no sample
-    activates fails the check (:func:`uncovered_rows`)."""
+    activates fails the check (:func:`uncovered_rows`), where its norm is above ``row_noise``
+    ((m,), a residual's subtraction noise: see :class:`~spear.core.result.AttackOptions`)."""
     covered = exact and mode == "output"
     live = live_rows(grad_weight) if z_rtol > 0 or covered else None
     # output mode: the gates once, for the recomputed gradients and the uncovered rows
@@ -126,5 +128,8 @@ def verify(
     err_b = torch.linalg.norm(gb - grad_bias) / torch.linalg.norm(grad_bias).clamp_min(1e-300)
     residual = float(torch.maximum(err_w, err_b))
     ok = residual <= rtol and bool(torch.isfinite(inputs).all())
-    uncovered = int(uncovered_rows(grad_weight, active, live).sum()) if covered else 0
+    uncovered = 0
+    if covered:
+        telling = live if row_noise is None else live & (grad_weight.norm(dim=1) > row_noise.to(grad_weight))
+        uncovered = int(uncovered_rows(grad_weight, active, telling).sum())
     return Verification(verified=ok and not uncovered, residual=residual, rtol=rtol, uncovered=uncovered)

@@ -98,6 +98,29 @@ def test_a_residuals_subtraction_rounding_is_not_read_as_a_missing_sample(mnist)
         spear.attack_layer(view.model, "0", cascade.residual, row_noise=torch.ones(3), **options)
 
 
+def test_a_layers_rank_on_the_update_counts_a_faint_sample_the_weights_miss(mnist):
+    """Review 46c: an update scaled by 8/7 (a mean over 8 sent as one over 7) with a faint sample
+    (1e-9 of the update, below the 1e-8 update check, yet active on 50 first-layer units) read
+    as a complete batch of 7, although both attacks had read b = 8 off the update. dL/dW's
+    rank is at most the number of samples (Theorem 3.1): the count now says one is missing."""
+    model = fully_connected(784, 100, 3, seed=0)
+    g = torch.Generator().manual_seed(0)
+    pick = torch.randperm(mnist.images.shape[0], generator=g)[:8]
+    x = mnist.images[pick].reshape(8, -1).double()
+    x = (x - x.mean()) / x.std()
+    x[7] = 1630 * x[7]  # classified with near certainty: a tiny gradient
+    y = mnist.labels[pick].clone()
+    y[7] = int(model(x[7:]).argmax())
+    update = {name: g * (8 / 7) for name, g in fedsgd_gradients(model, x, y).items()}
+    faint = per_sample_gradients(model, x[7:], y[7:], torch.tensor([1 / 8], dtype=torch.float64))
+    assert max(float(faint[k].norm() / update[k].norm()) for k in faint) < 1e-8
+    result = attack_model(model, update, max_proposals=20_000, seed=0)
+    assert result.inputs.shape[0] == 7 and result.batch_size == 7
+    assert result.missing == 1 and not result.complete and not result.verified
+    with pytest.raises(spear.InputError, match="row_noise is set by attack_model"):
+        attack_model(model, update, row_noise=torch.zeros(100))
+
+
 def test_samples_without_a_trace_keep_the_result_incomplete(mnist):
     # the client's mean was over 50 samples but only 48 left a gradient (scaled as if two had a
     # zero gradient): everything is explained, yet the weights 1/50 count two samples missing
@@ -143,11 +166,12 @@ def test_a_column_of_two_samples_weight_is_neither_counted_nor_reported():
 
 
 def test_a_scaled_update_is_not_complete_when_its_count_matches(mnist):
-    # twice the mean gradient reads as weights 2/64 = 1/32: the first 32 samples "count" a batch
+    # twice the mean gradient reads as weights 2/64 = 1/32: the first 32 samples "count" a batch;
+    # the first layer's rank on the update (64) says 32 more are missing
     view, truth = deep_mlp_round(mnist, 200, 64, 1)
     doubled = {name: 2 * g for name, g in view.gradients.items()}
     result = attack_model(view.model, doubled, ["0"], max_proposals=300, seed=1, max_rounds=1)
-    assert result.inputs.shape[0] == 32 and result.batch_size == 32 and result.missing == 0
+    assert result.inputs.shape[0] == 32 and result.batch_size == 32 and result.missing == 32
     assert result.residual > 0.5 and not result.complete and not result.verified
     r, c = match_rows(result.inputs, truth.inputs.double())
     assert (result.inputs[r] - truth.inputs.double()[c]).abs().max() < 1e-9  # the samples are right

@@ -405,9 +405,10 @@ def reconstruct(
     if opts.row_noise is not None:
         noise = _as_tensor("row_noise", opts.row_noise)
         if tuple(noise.shape) != (m,) or not bool(torch.isfinite(noise).all()) or bool((noise < 0).any()):
+            lowest = float(noise.min()) if noise.numel() else float("nan")
             raise InputError(
                 f"row_noise must be ({m},): each row of dL/dW's noise (a norm, finite and >= 0), got "
-                f"shape {tuple(noise.shape)}"
+                f"shape {tuple(noise.shape)} with smallest value {lowest:g}"
             )
         opts = dataclasses.replace(opts, row_noise=noise.to(device=device, dtype=opts.dtype))
     if certifier is not None and not callable(certifier):

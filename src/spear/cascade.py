@@ -282,6 +282,11 @@ def attack_model(
     if progress is not None and not callable(progress):
         raise InputError("progress must be a callable receiving each CascadeStep, or None")
     check_seconds("time_budget", time_budget)
+    if options.get("row_noise") is not None:  # review 46c: it was silently overwritten
+        raise InputError(
+            "row_noise is set by attack_model for each attack on a residual (the noise that "
+            "subtracting samples leaves); pass it to attack_layer, not here"
+        )
     # once, here: each attack's errors become steps of the result, so a misspelled or invalid
     # option would otherwise end every step, not this call
     build_options({k: v for k, v in options.items() if k not in _LAYER_ONLY_OPTIONS})
@@ -389,6 +394,9 @@ class _Cascade:
         self.explained_rtol = EXPLAINED_RTOL.get(dtype, self.tol.verify_rtol)
         self._client_left: tuple[int, float] | None = None  # (found samples, what they leave)
         self._svds: dict[str, GradientSVD] = {}  # the residual's, until it changes (:meth:`_inverter`)
+        #: the largest batch an attack read off the update as sent (before any subtraction):
+        #: dL/dW's rank, at most the number of samples (Theorem 3.1), see :class:`_Count`
+        self.rank_seen = 0
         first = next(m for m in model.modules() if isinstance(m, nn.Linear))
         self.width = first.in_features
 
@@ -441,6 +449,8 @@ class _Cascade:
             message = f"{type(exc).__name__}: {exc}"
             self._record(CascadeStep(layer, 0, 0, None, time.perf_counter() - began, "error", message))
             return
+        if not self.found.inputs and rec.batch_size is not None:  # the update as sent
+            self.rank_seen = max(self.rank_seen, rec.batch_size)
         added, notes = self._subtract(layer, rec)
         certified = 0 if rec.certified_inputs is None else int(rec.certified_inputs.shape[0])
         if rec.verified and rec.inputs is not None:
@@ -575,10 +585,12 @@ class _Cascade:
         gaps = torch.cdist(inputs, inputs, compute_mode="donot_use_mm_for_euclid_dist")
         gaps.fill_diagonal_(torch.inf)
         distinct = bool((gaps > self.tol.verify_rtol * inputs.norm(dim=1, keepdim=True)).all())
-        batch_size = reduction.batch_size
-        if clients > 1 and reduction.missing is not None:  # the K clients' samples together
-            batch_size = int(weights.numel()) + reduction.missing
-        return _Count(batch_size, reduction.missing, reduction.multiplicities, distinct, explained)
+        batch_size, missing = reduction.batch_size, reduction.missing
+        if clients > 1 and missing is not None:  # the K clients' samples together
+            batch_size = int(weights.numel()) + missing
+        if missing is not None and batch_size is not None and self.rank_seen > batch_size:
+            missing += self.rank_seen - batch_size  # a layer saw more samples than the weights count
+        return _Count(batch_size, missing, reduction.multiplicities, distinct, explained)
 
     def _result(self, reason: str) -> CascadeResult:
         inputs, labels, weights = self.found.stacked(self.width)
@@ -616,7 +628,12 @@ class _Count:
     null space). The residual alone does not either: a faint sample left unfound leaves
     little, and a float32 sample found to 1e-6 can flip a ReLU whose pre-activation is within
     that of zero, so that its recomputed gradient differs by a whole unit's row (measured:
-    2.8e-3 of the update at MNIST 6 x 1000, b = 256, float32, seed 2, every sample exact)."""
+    2.8e-3 of the update at MNIST 6 x 1000, b = 256, float32, seed 2, every sample exact).
+    A third reading: the rank of a layer's gradient on the update as sent is at most the
+    number of samples (Theorem 3.1), so where an attack read more than the weights count,
+    ``missing`` is at least the difference (review 46c: an update scaled by 8/7 with a faint
+    sample, 1e-9 of it in float64, read as a complete batch of 7 although both attacks had
+    read b = 8)."""
 
     batch_size: int | None
     missing: int | None

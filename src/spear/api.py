@@ -552,8 +552,9 @@ def attack_layer(
     # and the certifier's construction count in the budget too (review 46b: 0.7 s of checks on
     # 2 spinning threads against a 0.1 s budget, 0.18 s on one)
     with budget_threads(options.get("time_budget")):
-        checks = (certify, loss, sample_weights, precision_audit)
-        return _attack_prepared(model, layer, gradients, *checks, options)
+        return _attack_prepared(
+            model, layer, gradients, certify, loss, sample_weights, precision_audit, options
+        )
 
 
 def _attack_prepared(

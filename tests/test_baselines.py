@@ -255,3 +255,13 @@ def test_class_counts_never_negative_and_domain_holds_no_data():
     assert not hasattr(domain.to_inputs, "__self__")  # a plain normalization, not the data set's method
     images = torch.rand(2, *domain.shape, dtype=torch.float64)
     assert torch.equal(domain.to_inputs(images), load_dataset("digits").normalize(images))
+
+
+def test_baselines_run_the_same_under_a_callers_inference_mode():
+    """Optimization baselines differentiate the model; a caller's torch.inference_mode used to
+    end them in autograd."""
+    target, _, _ = tiny_target(b=2, labels_given=True)
+    outside = DLGAttack(iterations=5)(target)
+    with torch.inference_mode():
+        inside = DLGAttack(iterations=5)(target)
+    assert torch.equal(inside.inputs, outside.inputs)

@@ -451,3 +451,18 @@ def test_frozen_parameters_sent_as_zeros_are_left_out_of_the_update_check():
     result = attack_model(model, frozen, max_proposals=20000, seed=0)
     assert result.complete and result.residual < 1e-12
     assert_exact(result.inputs, x, rtol=1e-9)
+
+
+def test_attacks_run_the_same_under_a_callers_inference_mode(mnist):
+    """The certificate differentiates the model, which torch.inference_mode forbids and
+    enable_grad cannot undo: attack_layer crashed in autograd and attack_model silently certified
+    nothing before the entry points switched it off."""
+    view, truth = deep_mlp_round(mnist, 60, 6, 1)
+    with torch.inference_mode():
+        layer = spear.attack_layer(view.model, "0", view.gradients, seed=1, max_proposals=20_000)
+        whole = attack_model(view.model, view.gradients, ["0"], seed=1, max_proposals=20_000)
+    assert layer.verified and layer.verified_by == "model"
+    assert whole.complete and whole.batch_size == 6
+    assert_exact(whole.inputs, truth.inputs.double(), rtol=1e-9)
+    outside = spear.attack_layer(view.model, "0", view.gradients, seed=1, max_proposals=20_000)
+    assert torch.equal(layer.inputs, outside.inputs)

@@ -173,3 +173,24 @@ def test_a_frozen_parameter_sends_no_gradient():
     model[2].requires_grad_(False)
     grads = fedsgd_gradients(model, torch.rand(4, 20, dtype=torch.float64), torch.tensor([1, 5, 9, 0]))
     assert sorted(grads) == ["0.bias", "0.weight", "4.bias", "4.weight"]
+
+
+def test_a_model_built_under_inference_mode_is_refused_clearly():
+    """Autograd cannot differentiate inference tensors; the client's gradient, training and round
+    say so in spear's words instead of torch's "cannot be saved for backward"."""
+    with torch.inference_mode():
+        model = fully_connected(16, width=10, depth=2, classes=3, seed=0)
+    x, y = torch.rand(4, 16, dtype=torch.float64), torch.tensor([0, 1, 2, 0])
+    with pytest.raises(InputError, match="inference_mode"):
+        fedsgd_gradients(model, x, y)
+    with pytest.raises(InputError, match="inference_mode"):
+        pretrain(model, load_dataset("digits"), steps=1)
+
+
+def test_the_client_computes_its_gradient_under_a_callers_inference_mode():
+    model = fully_connected(16, width=10, depth=2, classes=3, seed=0)
+    x, y = torch.rand(4, 16, dtype=torch.float64), torch.tensor([0, 1, 2, 0])
+    with torch.inference_mode():
+        inside = fedsgd_gradients(model, x, y)
+    outside = fedsgd_gradients(model, x, y)
+    assert all(torch.equal(inside[name], outside[name]) for name in outside)

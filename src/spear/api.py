@@ -312,6 +312,7 @@ def stored_precision(t: torch.Tensor) -> torch.dtype:
     return t.dtype
 
 
+@checks.outside_inference_mode
 def reconstruct(
     weight: Any,
     bias: Any,
@@ -498,6 +499,7 @@ def _client_precision(
     return source_precision(_as_tensor("gradient", own), working, *tensors)
 
 
+@checks.outside_inference_mode
 def attack_layer(
     model: torch.nn.Module,
     layer: str,

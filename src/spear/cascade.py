@@ -33,6 +33,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from spear import checks
 from spear.api import (
     _as_tensor,
     _resolve_device,
@@ -238,6 +239,7 @@ _LAYER_ONLY_OPTIONS = {
 }
 
 
+@checks.outside_inference_mode
 def attack_model(
     model: nn.Module,
     gradients: Mapping[str, Any] | Sequence[Any],

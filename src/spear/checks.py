@@ -3,11 +3,17 @@ builders), so an argument is refused with the same words wherever it is passed."
 
 from __future__ import annotations
 
+import functools
 import math
 import numbers
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar, cast
+
+import torch
 
 from spear.errors import InputError
+
+F = TypeVar("F", bound=Callable[..., Any])
 
 #: the largest seed (torch.Generator.manual_seed takes a signed 64-bit integer's range)
 MAX_SEED = 2**63 - 1
@@ -48,3 +54,32 @@ def finite_real(value: Any) -> bool:
     """Whether ``value`` is a finite real number (numpy scalars included; bools, strings and
     tensors are not)."""
     return isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def outside_inference_mode(function: F) -> F:
+    """``function`` run with ``torch.inference_mode`` switched off.
+
+    The attack differentiates the model (its certificate, a client's simulated training), which
+    ``torch.inference_mode`` forbids, and ``torch.enable_grad`` cannot undo. A caller's
+    ``with torch.inference_mode():`` (common around evaluation code) would otherwise end the run
+    deep in autograd ("does not require grad"). Gradient mode is left as the caller set it."""
+
+    @functools.wraps(function)
+    def without_inference_mode(*args: Any, **kwargs: Any) -> Any:
+        with torch.inference_mode(False):
+            return function(*args, **kwargs)
+
+    return cast(F, without_inference_mode)
+
+
+def differentiable(model: torch.nn.Module) -> None:
+    """Refuse a model whose parameters autograd cannot differentiate: tensors created under
+    ``torch.inference_mode`` (a model built or loaded there) cannot be saved for backward, and a
+    client's training or gradient needs that."""
+    inference = [name for name, p in model.named_parameters() if p.is_inference()]
+    if inference:
+        raise InputError(
+            f"the model's parameters ({inference[0]}{' and others' if len(inference) > 1 else ''}) were "
+            "created under torch.inference_mode, so no gradient can be taken through them; build or "
+            "load the model outside inference_mode (or replace each parameter by a clone made there)"
+        )

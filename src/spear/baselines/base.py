@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from spear import checks
 from spear.errors import InputError
 
 
@@ -150,6 +151,7 @@ class Attack(ABC):
     def run(self, target: AttackTarget) -> AttackOutput:
         """Reconstruct the client's batch from ``target`` (the server's view only)."""
 
+    @checks.outside_inference_mode
     def __call__(self, target: AttackTarget) -> AttackOutput:
         start = time.perf_counter()
         output = self.run(target)

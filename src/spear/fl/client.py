@@ -37,11 +37,13 @@ class ClientBatch:
     clients: torch.Tensor | None = None  # (b,) which client held each sample (secure aggregation)
 
 
+@checks.outside_inference_mode
 def fedsgd_gradients(model: nn.Module, inputs: torch.Tensor, labels: torch.Tensor) -> dict[str, torch.Tensor]:
     """The FedSGD update: gradients of the mean cross-entropy over the batch, by parameter name.
 
     The model is left unchanged (its .grad fields are restored). Frozen parameters
     (``requires_grad=False``) send no gradient and are left out, as a client's optimizer does."""
+    checks.differentiable(model)
     params = {name: p for name, p in model.named_parameters() if p.requires_grad}
     logits = model(_checked_inputs(model, inputs))
     loss = nn.functional.cross_entropy(logits, _checked_labels(labels, logits))
@@ -104,6 +106,7 @@ def layer_inputs(model: nn.Module, layer: str, inputs: torch.Tensor) -> torch.Te
     return seen[0].detach()
 
 
+@checks.outside_inference_mode
 def pretrain(
     model: nn.Module,
     dataset: ImageDataset,
@@ -115,6 +118,7 @@ def pretrain(
     """Train ``model`` in place for ``steps`` SGD steps on ``dataset`` (paper Fig. 7)."""
     if steps < 0:
         raise InputError("steps must be >= 0")
+    checks.differentiable(model)
     opt = torch.optim.SGD(model.parameters(), lr=lr)
     dtype = next(model.parameters()).dtype
     for step in range(steps):
@@ -179,6 +183,7 @@ def simulate_fedsgd(
     )
 
 
+@checks.outside_inference_mode
 def simulate_round(
     model: nn.Module,
     dataset: ImageDataset,
@@ -212,6 +217,7 @@ def simulate_round(
     batch_size, seed = checks.integer("batch_size", batch_size, 1), checks.seed(seed)
     clients = checks.integer("clients", clients, 1)
     protocol.check_batch(batch_size)
+    checks.differentiable(model)
     _check_input_size(model, dataset)
     dtype = next(model.parameters()).dtype
     images, labels = sample_batch(dataset, batch_size * clients, seed, single_label=single_label)

@@ -21,6 +21,7 @@ from collections.abc import Callable, Mapping
 import torch
 from torch import nn
 
+from spear import checks
 from spear.core.result import Reconstruction
 from spear.inversion.base import Inversion, Inverter, check_no_random_masks, layers_below
 from spear.inversion.exact import GradientInverter
@@ -28,6 +29,7 @@ from spear.inversion.optimization import FeatureInverter, InversionSettings, inv
 from spear.inversion.row_space import RowSpaceInverter
 
 
+@checks.outside_inference_mode
 def invert_to_inputs(
     model: nn.Module,
     layer: str,

@@ -466,3 +466,37 @@ def test_attacks_run_the_same_under_a_callers_inference_mode(mnist):
     assert_exact(whole.inputs, truth.inputs.double(), rtol=1e-9)
     outside = spear.attack_layer(view.model, "0", view.gradients, seed=1, max_proposals=20_000)
     assert torch.equal(layer.inputs, outside.inputs)
+
+
+def test_a_timed_cascade_keeps_time_for_its_closing_reads(monkeypatch):
+    """After its last attack the cascade reads the residual, counts the batch and builds the
+    result (at m = 4000 a 1 s budget ran 1.04-1.06 s when that attack had all the time left).
+    Each attack now gets the time left less twice the longest check before an attack, and the
+    residual is read once until a subtraction changes it. A fake clock: each read of the
+    residual takes 0.5 s, and the attacks themselves (stubbed) none."""
+    import spear.cascade as cascade_module
+    from spear.errors import SpearError
+
+    model = fully_connected(20, 16, 3, seed=0, dtype=torch.float64)
+    x, y = torch.randn(6, 20, dtype=torch.float64), torch.randint(0, 10, (6,))
+    grads = fedsgd_gradients(model, x, y)
+    clock = {"now": 1000.0}
+    reads, budgets = [], []
+    real_relative = cascade_module._Cascade._largest_relative
+
+    def slow_relative(self, residual):
+        reads.append(clock["now"])
+        clock["now"] += 0.5
+        return real_relative(self, residual)
+
+    def stub_attack(model, layer, residual, **options):
+        budgets.append(options["time_budget"])
+        raise SpearError("stub: nothing found")
+
+    monkeypatch.setattr(cascade_module.time, "perf_counter", lambda: clock["now"])
+    monkeypatch.setattr(cascade_module._Cascade, "_largest_relative", slow_relative)
+    monkeypatch.setattr(cascade_module, "attack_layer", stub_attack)
+    result = attack_model(model, grads, ["2", "0"], time_budget=10.0, attack_budget=100.0, max_rounds=3)
+    # the first check read the residual (0.5 s) and keeps 1 s; later checks use the same read
+    assert budgets == [8.5] * 6
+    assert len(reads) == 1 and result.stop_reason == "rounds" and not result.complete

@@ -671,3 +671,20 @@ def test_unrecovered_message_says_why_enough_candidates_gave_no_basis():
     assert "fewer than the b=9" in _short_of_a_basis(3, 9)
     reason = _short_of_a_basis(40, 9)
     assert "fewer than" not in reason and "no b=9 of them form an independent" in reason
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.float16, torch.complex64])
+def test_all_finite_finds_any_nan_or_inf_by_one_reduction(dtype):
+    from spear.checks import all_finite, largest_magnitude
+
+    t = torch.randn(50, 40).to(dtype)
+    assert all_finite(t) and all_finite(t[:0]) and all_finite(torch.arange(5))
+    for bad in (math.nan, math.inf, -math.inf):
+        for place in ((0, 0), (17, 23), (49, 39)):
+            u = t.clone()
+            u[place] = bad
+            assert not all_finite(u)
+            assert not all_finite(u.T)  # a view, not contiguous
+    if not dtype.is_complex:
+        assert largest_magnitude(t) == float(t.abs().max())
+        assert largest_magnitude(-t.abs() - 1) == float(t.abs().max() + 1)

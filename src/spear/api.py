@@ -387,16 +387,16 @@ def reconstruct(
                 "SPEAR needs the layer's bias gradient to recover each sample's scale (Theorem 3.6)."
             )
     for name, t in (("weight", W), ("bias", bvec), ("grad_weight", GW), ("grad_bias", Gb)):
-        if not bool(torch.isfinite(t).all()):
+        if not checks.all_finite(t):
             raise InputError(f"{name} contains NaN or Inf; pass the finite tensors the server received")
-    if not bool(GW.abs().amax() > 0):
+    size = checks.largest_magnitude(GW)
+    if not size > 0:
         raise InputError("grad_weight is all zeros: the update carries no information about the batch")
     if not bool(Gb.abs().amax() > 0):
         raise InputError("grad_bias is all zeros: the scale of each sample cannot be recovered (Theorem 3.6)")
     # the factorization forms sums of squares of the entries: they must neither all underflow to
     # zero nor overflow (float64: 2e-162 .. 1e151; float32: 4e-23 .. 2e16)
     working = torch.finfo(opts.dtype)
-    size = float(GW.abs().amax())
     if not math.sqrt(working.tiny * working.eps) <= size <= math.sqrt(working.max) / 1e3:
         raise InputError(
             f"grad_weight's largest entry is {size:.1e}: products of such numbers leave {opts.dtype}'s "
@@ -429,7 +429,7 @@ def reconstruct(
                 f"next_grad_weight must be (k, {m}): the next layer's weight gradient, whose inputs are "
                 f"this layer's {m} outputs; got shape {tuple(next_gw.shape)}"
             )
-        if not bool(torch.isfinite(next_gw).all()):
+        if not checks.all_finite(next_gw):
             raise InputError("next_grad_weight contains NaN or Inf")
         next_gw = next_gw.to(**cast)
     next_w = None
@@ -440,7 +440,7 @@ def reconstruct(
                 "next_weight must come with next_grad_weight and have its shape (k, m): it is the "
                 f"weight of the layer whose gradient that is; got shape {tuple(next_w.shape)}"
             )
-        if not bool(torch.isfinite(next_w).all()):
+        if not checks.all_finite(next_w):
             raise InputError("next_weight contains NaN or Inf")
         next_w = next_w.to(**cast)
     with budget_threads(opts.time_budget):

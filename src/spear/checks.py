@@ -83,3 +83,24 @@ def differentiable(model: torch.nn.Module) -> None:
             "created under torch.inference_mode, so no gradient can be taken through them; build or "
             "load the model outside inference_mode (or replace each parameter by a clone made there)"
         )
+
+
+def all_finite(t: torch.Tensor) -> bool:
+    """No NaN or Inf in ``t``. One min/max reduction (NaN propagates through both), without the
+    boolean copy of ``torch.isfinite(t).all()``: 5 ms instead of 87 ms for an m = 4000 layer's
+    16M-entry gradient, read several times by each attack on a cascade."""
+    if t.numel() == 0:
+        return True
+    if not t.is_floating_point() and not t.is_complex():
+        return True
+    if t.is_complex():
+        return all_finite(torch.view_as_real(t))
+    low, high = torch.aminmax(t.detach())
+    return bool(torch.isfinite(low)) and bool(torch.isfinite(high))
+
+
+def largest_magnitude(t: torch.Tensor) -> float:
+    """``max |t|`` by one min/max reduction, without the copy ``t.abs()`` makes (``t`` finite,
+    nonempty)."""
+    low, high = torch.aminmax(t.detach())
+    return max(-float(low), float(high))

@@ -385,6 +385,7 @@ class _Cascade:
         self.original = {k: v.detach() for k, v in gradients.items()}
         #: each parameter's update norm, for :meth:`_largest_relative` (read every step)
         self._sent = {k: float(v.to(torch.float64).norm()) for k, v in self.original.items()}
+        self._row_norms: dict[str, torch.Tensor] = {}  # each attacked layer's, for :meth:`_row_noise`
         self.residual = dict(self.original)
         self._left: float | None = None  # :meth:`_unexplained` of this residual, until it changes
         #: seconds to keep for the cascade's own closing reads of the update (:meth:`_reserve`)
@@ -489,7 +490,9 @@ class _Cascade:
         if not self.found.inputs:
             return None
         key = f"{layer}.weight" if layer else "weight"
-        return self.tol.verify_rtol * self.original[key].to(torch.float64).norm(dim=1)
+        if key not in self._row_norms:  # of the update as sent: read once per layer
+            self._row_norms[key] = self.original[key].to(torch.float64).norm(dim=1)
+        return self.tol.verify_rtol * self._row_norms[key]
 
     def _record(self, step: CascadeStep) -> None:
         self.steps.append(step)

@@ -508,3 +508,34 @@ def test_aggregate_weights_too_loose_to_pin_a_client_size_pin_none():
         4,
         4,
     ]
+
+
+def test_the_replay_keeps_the_attacks_certificate_and_stops_at_its_deadline(mnist, monkeypatch):
+    """Review 47: the replay after the attack had no budget (6.6 s after a 1 s attack on a loaded
+    machine), and replayed again the batch the attack's stop_when had just accepted."""
+    import spear.fl.replay as replay_module
+    from spear.core.deadline import NEVER, Deadline
+
+    PASSED = Deadline(0.0)  # a perf_counter reading long gone
+
+    model = fully_connected(mnist.features, 300, 4, mnist.classes, seed=11)
+    protocol = FedAvg(epochs=2, batch_size=None, lr=0.1)
+    view, truth = simulate_round(model, mnist, 12, protocol, seed=11)
+    options = {"max_proposals": 300_000, **protocol.attack_options(view.model, view.gradients)}
+    rec = spear.attack_layer(view.model, "0", view.gradients, **options)
+    assert rec.stats.stop_reason == "accepted"
+    replays = []
+    real = replay_module.certify_by_replay
+    monkeypatch.setattr(
+        replay_module, "certify_by_replay", lambda *a, **k: replays.append(1) or real(*a, **k)
+    )
+    kept = protocol.certify(view.model, view.gradients, rec, deadline=PASSED)  # no replay needed
+    assert kept.verified and kept.verified_by == "replay" and not replays
+    assert same_labels(kept, truth, 1e-9)
+    moved = dataclasses.replace(rec, inputs=rec.inputs.clone())
+    moved.inputs[0, 0] += 1e-3  # not the batch the attack's check accepted: replayed, until the deadline
+    late = protocol.certify(view.model, view.gradients, moved, deadline=PASSED)
+    assert not late.verified and "time budget ran out before the replay" in late.message and replays
+    assert not protocol.certify(view.model, view.gradients, moved, deadline=NEVER).verified
+    fresh = FedAvg(epochs=2, batch_size=None, lr=0.1)  # no attack of its own: replays in full
+    assert fresh.certify(view.model, view.gradients, rec).verified

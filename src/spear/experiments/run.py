@@ -10,12 +10,15 @@ import dataclasses
 import hashlib
 import json
 import platform
+import time
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 import spear
+from spear.api import budget_threads
+from spear.core.deadline import Deadline
 from spear.data import Dataset, load_dataset
 from spear.errors import InputError
 from spear.experiments.evaluation import evaluate
@@ -230,6 +233,7 @@ def run_experiment(settings: ExperimentSettings, progress=None) -> ExperimentRes
         single_label=settings.single_label,
     )
     # --- the attacker's side: the server's view only ---
+    started = time.perf_counter()  # the time budget covers the attack and the protocol's certificate
     rec = spear.attack_layer(
         view.model,
         layer,
@@ -245,7 +249,9 @@ def run_experiment(settings: ExperimentSettings, progress=None) -> ExperimentRes
         sparsity=sparsity,
         **protocol.attack_options(view.model, view.gradients),
     ).to("cpu")  # where the model and the evaluation are, whatever device the attack ran on
-    rec = protocol.certify(view.model, view.gradients, rec, clients=settings.clients)
+    with budget_threads(settings.time_budget):
+        deadline = Deadline.after(settings.time_budget, started)
+        rec = protocol.certify(view.model, view.gradients, rec, clients=settings.clients, deadline=deadline)
     inversion = None
     if acting_layers_below(view.model, layer) and rec.inputs is not None and rec.grad_outputs is not None:
         inversion = invert_to_inputs(

@@ -23,13 +23,14 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from spear.core.consistency import Tolerances
+from spear.core.deadline import NEVER, Deadline
 from spear.core.result import Reconstruction
 from spear.errors import InputError
 from spear.fl.protocols.fedavg import FedAvg, local_sgd
@@ -151,10 +152,44 @@ def certify_by_replay(
     grad_outputs: torch.Tensor,
     layer: str | None = None,
     rtol: float = 1e-6,
+    deadline: Deadline = NEVER,
 ) -> ReplayCertificate:
     """Certify recovered inputs (b, n) with their columns (m, b) of the attacked first layer
     by replaying ``protocol``'s local training on ``model`` (see the module doc); ``layer``
-    defaults to the model's first Linear."""
+    defaults to the model's first Linear. Past ``deadline`` (checked between replayed passes)
+    the batch is left uncertified, and the message says so."""
+    try:
+        return _certify_by_replay(model, update, protocol, inputs, grad_outputs, layer, rtol, deadline)
+    except _ReplayLateError:
+        return ReplayCertificate(
+            False,
+            None,
+            None,
+            float("inf"),
+            "replay: the time budget ran out before the replay finished; the batch is unchecked by it",
+        )
+
+
+class _ReplayLateError(Exception):
+    """The replay's deadline passed between two of its passes."""
+
+
+def _on_time(deadline: Deadline) -> None:
+    if deadline.passed():
+        raise _ReplayLateError
+
+
+def _certify_by_replay(
+    model: nn.Module,
+    update: dict[str, torch.Tensor],
+    protocol: FedAvg,
+    inputs: torch.Tensor,
+    grad_outputs: torch.Tensor,
+    layer: str | None,
+    rtol: float,
+    deadline: Deadline,
+) -> ReplayCertificate:
+    """:func:`certify_by_replay` with its deadline checked (:class:`_ReplayLateError`)."""
     layer = replay_layer(model, layer)
     check_update(model, update)
     b = inputs.shape[0]
@@ -165,9 +200,9 @@ def certify_by_replay(
     if per_epoch == 1:
         steps = [list(range(b))] * protocol.epochs
         labels, _ = best_labels(u, layer_gradients(model, layer, x, _classes(model, x)))
-        labels = refine_labels(model, layer, x, u, labels, steps, protocol.lr)
+        labels = refine_labels(model, layer, x, u, labels, steps, protocol.lr, deadline)
     elif protocol.epochs == 1:
-        found = _identify_steps(model, layer, x, u, size, protocol.lr)
+        found = _identify_steps(model, layer, x, u, size, protocol.lr, deadline)
         if found is None:
             return ReplayCertificate(
                 False,
@@ -197,8 +232,10 @@ def certify_by_replay(
             f"replay: the update keeps only {rtol:.0e} of relative precision ((W_before - W_after) / lr "
             f"cancels at this learning rate and dtype), too little to certify a batch",
         )
+    _on_time(deadline)
     replayed = replay_update(model, x, labels, steps, protocol.lr)
     residual = update_residual(update, replayed)
+    _on_time(deadline)
     misfit = column_misfits(model, layer, x, u, labels, steps, protocol.lr)
     worst = int(misfit.argmax())
     ok = residual <= rtol and float(misfit[worst]) <= rtol
@@ -261,12 +298,14 @@ def refine_labels(
     labels: torch.Tensor,
     steps: list[list[int]],
     lr: float,
+    deadline: Deadline = NEVER,
 ) -> torch.Tensor:
     """Labels that fit the columns along the whole local training: sample j's column is
     ``sum over its steps t of g_j(W_t; y_j) / |B_t|``. Replay with the current labels, recompute
     that sum for every label, keep the most parallel; repeat until the labels settle (a label
     guessed from the first step alone can be wrong after many epochs)."""
     for _ in range(REFINE_ROUNDS):
+        _on_time(deadline)
         total = summed_gradients(model, layer, x, labels, steps, lr)
         refined, _ = best_labels(u, total)
         if bool((refined == labels).all()):
@@ -276,7 +315,7 @@ def refine_labels(
 
 
 def _identify_steps(
-    model: nn.Module, layer: str, x: torch.Tensor, u: torch.Tensor, size: int, lr: float
+    model: nn.Module, layer: str, x: torch.Tensor, u: torch.Tensor, size: int, lr: float, deadline: Deadline
 ) -> tuple[torch.Tensor, list[list[int]]] | None:
     """One epoch: find each step's samples in turn (module doc); None when a step does not fit."""
     b = x.shape[0]
@@ -286,6 +325,7 @@ def _identify_steps(
     remaining = list(range(b))
     steps: list[list[int]] = []
     while remaining:
+        _on_time(deadline)
         count = min(size, len(remaining))
         rest = torch.tensor(remaining)
         guess, predicted = best_labels(u[rest], layer_gradients(local, layer, x[rest], classes))
@@ -350,17 +390,52 @@ def replay_tolerance(model: nn.Module, update: dict[str, torch.Tensor], protocol
     return max(Tolerances.for_dtype(dtype).verify_rtol, ROUNDING_SLACK * floor)
 
 
+class ReplayCheck:
+    """A ``stop_when`` check for the attack: does the replay certify this batch? It keeps the
+    certificate of the batch it accepted, so the verdict after the attack
+    (:func:`apply_replay`) does not replay that batch again (review 47: a second replay, after
+    an attack its first one had stopped, ran 6.6 s past a 1 s budget on a loaded machine)."""
+
+    def __init__(
+        self, model: nn.Module, update: dict[str, torch.Tensor], protocol: FedAvg, layer: str | None = None
+    ) -> None:
+        self.model, self.update, self.protocol = model, update, protocol
+        self.layer = replay_layer(model, layer)
+        self.rtol = replay_tolerance(model, update, protocol)
+        self.accepted: tuple[torch.Tensor, torch.Tensor, ReplayCertificate] | None = None
+
+    def __call__(self, inputs: torch.Tensor, grad_outputs: torch.Tensor) -> bool:
+        args = (self.model, self.update, self.protocol, inputs, grad_outputs, self.layer, self.rtol)
+        cert = certify_by_replay(*args)
+        if cert.ok:
+            self.accepted = (inputs.detach().clone(), grad_outputs.detach().clone(), cert)
+        return cert.ok
+
+    def certificate_for(
+        self,
+        model: nn.Module,
+        update: dict[str, torch.Tensor],
+        inputs: torch.Tensor,
+        grad_outputs: torch.Tensor,
+    ) -> ReplayCertificate | None:
+        """The certificate this check gave exactly this batch of this model's update, or None."""
+        if self.accepted is None or model is not self.model or update is not self.update:
+            return None
+        seen, columns, cert = self.accepted
+        same = (
+            seen.shape == inputs.shape
+            and columns.shape == grad_outputs.shape
+            and torch.equal(seen, inputs.detach().to(seen))
+            and torch.equal(columns, grad_outputs.detach().to(columns))
+        )
+        return cert if same else None
+
+
 def replay_accepts(
     model: nn.Module, update: dict[str, torch.Tensor], protocol: FedAvg, layer: str | None = None
-) -> Callable[[torch.Tensor, torch.Tensor], bool]:
-    """A ``stop_when`` check for the attack: does the replay certify this batch?"""
-    layer = replay_layer(model, layer)
-    rtol = replay_tolerance(model, update, protocol)
-
-    def accepts(inputs: torch.Tensor, grad_outputs: torch.Tensor) -> bool:
-        return certify_by_replay(model, update, protocol, inputs, grad_outputs, layer, rtol).ok
-
-    return accepts
+) -> ReplayCheck:
+    """A ``stop_when`` check for the attack (:class:`ReplayCheck`)."""
+    return ReplayCheck(model, update, protocol, layer)
 
 
 def apply_replay(
@@ -369,14 +444,20 @@ def apply_replay(
     protocol: FedAvg,
     rec: Reconstruction,
     layer: str | None = None,
+    deadline: Deadline = NEVER,
+    check: ReplayCheck | None = None,
 ) -> Reconstruction:
     """``rec`` (an attack on ``model``'s first layer ``layer``) with the replay's verdict: verified
     by "replay" and labelled when the replayed update matches, otherwise not verified, with the
-    reason. Without a recovered batch, ``rec`` is returned unchanged."""
+    reason. Without a recovered batch, ``rec`` is returned unchanged. The certificate ``check``
+    (the attack's ``stop_when``) gave this very batch is taken as it is; otherwise the replay
+    runs until ``deadline``."""
     if rec.inputs is None or rec.grad_outputs is None:
         return rec
-    rtol = replay_tolerance(model, update, protocol)
-    cert = certify_by_replay(model, update, protocol, rec.inputs, rec.grad_outputs, layer, rtol)
+    cert = None if check is None else check.certificate_for(model, update, rec.inputs, rec.grad_outputs)
+    if cert is None:
+        rtol = replay_tolerance(model, update, protocol)
+        cert = certify_by_replay(model, update, protocol, rec.inputs, rec.grad_outputs, layer, rtol, deadline)
     notes = (*rec.notes, f"attack before the replay: {rec.message}")
     if cert.ok:
         message = f"exact: all {rec.batch_size} inputs recovered, certified by the replay; {cert.message}"

@@ -17,6 +17,7 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
+from spear.core.deadline import NEVER, Deadline
 from spear.core.result import Reconstruction
 from spear.errors import InputError
 
@@ -46,11 +47,17 @@ class Protocol(ABC):
             raise InputError("the client's batch size must be >= 1")
 
     def certify(
-        self, model: nn.Module, update: dict[str, torch.Tensor], rec: Reconstruction, clients: int = 1
+        self,
+        model: nn.Module,
+        update: dict[str, torch.Tensor],
+        rec: Reconstruction,
+        clients: int = 1,
+        deadline: Deadline = NEVER,
     ) -> Reconstruction:
         """A protocol-specific certificate of an attack's result on the first layer (FedAvg
         replays the local training) of an update summed over ``clients`` clients (secure
-        aggregation); by default the attack's own verdict stands."""
+        aggregation), within ``deadline`` (the rest of the attack's time budget); by default
+        the attack's own verdict stands."""
         return rec
 
     def attack_options(self, model: nn.Module, update: dict[str, torch.Tensor]) -> dict[str, Any]:

@@ -21,6 +21,7 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
+from spear.core.deadline import NEVER, Deadline
 from spear.core.result import Reconstruction
 from spear.errors import InputError
 from spear.fl.protocols.base import Protocol, named_update
@@ -96,12 +97,20 @@ class FedAvg(Protocol):
         attack as soon as it accepts a batch."""
         from spear.fl.replay import replay_accepts
 
-        return {"certify": False, "stop_when": replay_accepts(model, update, self)}
+        self._check = replay_accepts(model, update, self)  # its certificate is reused by certify
+        return {"certify": False, "stop_when": self._check}
 
     def certify(
-        self, model: nn.Module, update: dict[str, torch.Tensor], rec: Reconstruction, clients: int = 1
+        self,
+        model: nn.Module,
+        update: dict[str, torch.Tensor],
+        rec: Reconstruction,
+        clients: int = 1,
+        deadline: Deadline = NEVER,
     ) -> Reconstruction:
-        """Replay the local training on the recovered batch (:mod:`spear.fl.replay`). The replay
+        """Replay the local training on the recovered batch (:mod:`spear.fl.replay`), until
+        ``deadline``; a batch the attack's ``stop_when`` (:meth:`attack_options`) accepted keeps
+        that replay's certificate. The replay
         is one client's: a sum of ``clients`` > 1 clients' local trainings (secure aggregation)
         is left not certified, and the message says why (review 46: it blamed the data for the
         factor the sum of two clients' updates makes)."""
@@ -115,7 +124,7 @@ class FedAvg(Protocol):
             )
             notes = (*rec.notes, f"attack before the replay: {rec.message}")
             return replace(rec, verified=False, verified_by=None, message=message, notes=notes)
-        return apply_replay(model, update, self, rec)
+        return apply_replay(model, update, self, rec, deadline=deadline, check=getattr(self, "_check", None))
 
     def client_update(
         self, model: nn.Module, inputs: torch.Tensor, labels: torch.Tensor, seed: int = 0

@@ -142,7 +142,7 @@ def main() -> None:
     parser.add_argument("--dataset", default="mnist")
     parser.add_argument("--batch-size", type=int, default=512)
     parser.add_argument("--seeds", nargs="+", type=int, default=[0])
-    parser.add_argument("--starts", nargs="+", type=int, default=[0, 56])
+    parser.add_argument("--starts", nargs="*", type=int, default=[0, 56])
     parser.add_argument("--search-start", type=int, default=200, help="|K| for the two searches")
     parser.add_argument("--lp-tries", type=int, default=10)
     parser.add_argument("--noises", nargs="+", type=float, default=[0.0, 0.15, 0.3])

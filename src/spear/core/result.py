@@ -182,7 +182,9 @@ class Reconstruction:
             CNN feature layers, both sparsity modes, trained and untrained, b = 16-64) every
             input's relative error was at most 1.6 times it. Faint samples (well classified: a
             small gradient) are known less precisely than the others. None when the batch is
-            not verified: the estimate assumes the directions are right.
+            not verified: the estimate assumes the directions are right. It is the precision
+            of the batch the update shows: near-duplicates it cannot tell apart read as one
+            sample, whose estimate says nothing of its distance to either true one.
         certified_precision: (f,) the same estimate for each of ``certified_inputs``, from the
             consistent batch whose value it reports (NaN for a peeled sample that reports its
             own value: no batch was consistent, or the batch assembles it otherwise), or None

@@ -539,3 +539,26 @@ def test_the_replay_keeps_the_attacks_certificate_and_stops_at_its_deadline(mnis
     assert not protocol.certify(view.model, view.gradients, moved, deadline=NEVER).verified
     fresh = FedAvg(epochs=2, batch_size=None, lr=0.1)  # no attack of its own: replays in full
     assert fresh.certify(view.model, view.gradients, rec).verified
+    # review 47b: the certificate is handed on only for what it proved
+    other_dtype = dataclasses.replace(rec, inputs=rec.inputs.float().double())
+    assert not protocol.certify(view.model, view.gradients, other_dtype, deadline=PASSED).verified
+    protocol.lr = 0.2  # the settings changed after the attack
+    assert not protocol.certify(view.model, view.gradients, rec, deadline=PASSED).verified
+    protocol.lr = 0.1
+    assert protocol.certify(view.model, view.gradients, rec, deadline=PASSED).verified
+    with torch.no_grad():
+        view.gradients["2.bias"].mul_(1.5)  # the update changed in place
+        assert not protocol.certify(view.model, view.gradients, rec, deadline=PASSED).verified
+        view.gradients["2.bias"].div_(1.5)
+        next(view.model.parameters())[0, 0] += 1e-3  # the weights moved in place
+        assert not protocol.certify(view.model, view.gradients, rec, deadline=PASSED).verified
+
+
+@pytest.mark.parametrize("protocol", [FedAvg(epochs=2, batch_size=2, lr=0.1), FedSGD()])
+def test_a_clients_update_is_the_same_under_a_callers_inference_mode(protocol):
+    model = fully_connected(16, 12, 3, 3, seed=0)
+    x, y = torch.rand(4, 16, dtype=torch.float64), torch.tensor([0, 1, 2, 0])
+    outside = protocol.client_update(model, x, y, seed=1)
+    with torch.inference_mode():
+        inside = protocol.client_update(model, x, y, seed=1)
+    assert all(torch.equal(inside[name], outside[name]) for name in outside)

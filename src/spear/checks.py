@@ -94,13 +94,17 @@ def all_finite(t: torch.Tensor) -> bool:
     if not t.is_floating_point() and not t.is_complex():
         return True
     if t.is_complex():
-        return all_finite(torch.view_as_real(t))
+        return all_finite(torch.view_as_real(t.detach().resolve_conj()))
+    if t.dtype not in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
+        t = t.float()  # float8 kinds: aminmax has no kernel for them
     low, high = torch.aminmax(t.detach())
     return bool(torch.isfinite(low)) and bool(torch.isfinite(high))
 
 
 def largest_magnitude(t: torch.Tensor) -> float:
-    """``max |t|`` by one min/max reduction, without the copy ``t.abs()`` makes (``t`` finite,
-    nonempty)."""
+    """``max |t|`` by one min/max reduction, without the copy ``t.abs()`` makes (``t`` real,
+    finite, nonempty)."""
+    if t.is_complex():
+        return float(t.detach().abs().amax())
     low, high = torch.aminmax(t.detach())
     return max(-float(low), float(high))

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from spear import checks
 from spear.core.consistency import Tolerances
 from spear.core.deadline import NEVER, Deadline
 from spear.core.result import Reconstruction
@@ -144,6 +145,7 @@ def update_residual(received: dict[str, torch.Tensor], replayed: dict[str, torch
     return (diff / norm) ** 0.5 if norm > 0 else float("inf")
 
 
+@checks.outside_inference_mode
 def certify_by_replay(
     model: nn.Module,
     update: dict[str, torch.Tensor],
@@ -394,7 +396,10 @@ class ReplayCheck:
     """A ``stop_when`` check for the attack: does the replay certify this batch? It keeps the
     certificate of the batch it accepted, so the verdict after the attack
     (:func:`apply_replay`) does not replay that batch again (review 47: a second replay, after
-    an attack its first one had stopped, ran 6.6 s past a 1 s budget on a loaded machine)."""
+    an attack its first one had stopped, ran 6.6 s past a 1 s attack on a loaded machine). The
+    certificate is handed on only for what it proved: the same batch (dtype and bits), protocol
+    settings, model weights and update as when it accepted (review 47b: a changed ``lr``, an
+    update scaled in place or weights moved in place had kept a certificate no longer true)."""
 
     def __init__(
         self, model: nn.Module, update: dict[str, torch.Tensor], protocol: FedAvg, layer: str | None = None
@@ -402,33 +407,72 @@ class ReplayCheck:
         self.model, self.update, self.protocol = model, update, protocol
         self.layer = replay_layer(model, layer)
         self.rtol = replay_tolerance(model, update, protocol)
-        self.accepted: tuple[torch.Tensor, torch.Tensor, ReplayCertificate] | None = None
+        self.accepted: _Accepted | None = None
 
     def __call__(self, inputs: torch.Tensor, grad_outputs: torch.Tensor) -> bool:
         args = (self.model, self.update, self.protocol, inputs, grad_outputs, self.layer, self.rtol)
         cert = certify_by_replay(*args)
         if cert.ok:
-            self.accepted = (inputs.detach().clone(), grad_outputs.detach().clone(), cert)
+            self.accepted = _Accepted.of(self.model, self.update, self.protocol, inputs, grad_outputs, cert)
         return cert.ok
 
     def certificate_for(
         self,
         model: nn.Module,
         update: dict[str, torch.Tensor],
+        protocol: FedAvg,
         inputs: torch.Tensor,
         grad_outputs: torch.Tensor,
     ) -> ReplayCertificate | None:
-        """The certificate this check gave exactly this batch of this model's update, or None."""
-        if self.accepted is None or model is not self.model or update is not self.update:
+        """The certificate this check gave exactly this batch of this update, or None."""
+        if self.accepted is None or not self.accepted.holds_for(
+            model, update, protocol, inputs, grad_outputs
+        ):
             return None
-        seen, columns, cert = self.accepted
-        same = (
-            seen.shape == inputs.shape
-            and columns.shape == grad_outputs.shape
-            and torch.equal(seen, inputs.detach().to(seen))
-            and torch.equal(columns, grad_outputs.detach().to(columns))
+        return self.accepted.certificate
+
+
+def _same(saved: torch.Tensor, now: torch.Tensor) -> bool:
+    return saved.dtype == now.dtype and saved.shape == now.shape and torch.equal(saved, now.detach().cpu())
+
+
+@dataclass(frozen=True)
+class _Accepted:
+    """What a replay certificate was given for: copies of the batch, the update, the weights
+    and the protocol's settings when it accepted."""
+
+    inputs: torch.Tensor
+    grad_outputs: torch.Tensor
+    update: dict[str, torch.Tensor]
+    weights: tuple[torch.Tensor, ...]
+    settings: dict
+    certificate: ReplayCertificate
+
+    @classmethod
+    def of(cls, model, update, protocol, inputs, grad_outputs, certificate) -> _Accepted:
+        def copy_of(t: torch.Tensor) -> torch.Tensor:
+            return t.detach().cpu().clone()
+
+        return cls(
+            copy_of(inputs),
+            copy_of(grad_outputs),
+            {name: copy_of(value) for name, value in update.items()},
+            tuple(copy_of(p) for p in model.parameters()),
+            protocol.settings(),
+            certificate,
         )
-        return cert if same else None
+
+    def holds_for(self, model, update, protocol, inputs, grad_outputs) -> bool:
+        weights = list(model.parameters())
+        return (
+            protocol.settings() == self.settings
+            and _same(self.inputs, inputs)
+            and _same(self.grad_outputs, grad_outputs)
+            and set(update) == set(self.update)
+            and all(_same(self.update[name], value) for name, value in update.items())
+            and len(weights) == len(self.weights)
+            and all(_same(saved, p) for saved, p in zip(self.weights, weights, strict=True))
+        )
 
 
 def replay_accepts(
@@ -438,6 +482,7 @@ def replay_accepts(
     return ReplayCheck(model, update, protocol, layer)
 
 
+@checks.outside_inference_mode
 def apply_replay(
     model: nn.Module,
     update: dict[str, torch.Tensor],
@@ -454,7 +499,11 @@ def apply_replay(
     runs until ``deadline``."""
     if rec.inputs is None or rec.grad_outputs is None:
         return rec
-    cert = None if check is None else check.certificate_for(model, update, rec.inputs, rec.grad_outputs)
+    cert = (
+        None
+        if check is None
+        else check.certificate_for(model, update, protocol, rec.inputs, rec.grad_outputs)
+    )
     if cert is None:
         rtol = replay_tolerance(model, update, protocol)
         cert = certify_by_replay(model, update, protocol, rec.inputs, rec.grad_outputs, layer, rtol, deadline)

@@ -24,6 +24,7 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
+from spear import checks
 from spear.errors import InputError
 from spear.fl.protocols.base import Protocol, named_update
 
@@ -89,6 +90,7 @@ class DPSGD(Protocol):
     def attack_options(self, model: nn.Module, update: dict[str, torch.Tensor]) -> dict[str, Any]:
         return {"sample_weights": ClippedWeights(self.max_grad_norm)}
 
+    @checks.outside_inference_mode
     def client_update(
         self, model: nn.Module, inputs: torch.Tensor, labels: torch.Tensor, seed: int = 0
     ) -> dict[str, torch.Tensor]:

@@ -21,6 +21,7 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
+from spear import checks
 from spear.core.deadline import NEVER, Deadline
 from spear.core.result import Reconstruction
 from spear.errors import InputError
@@ -126,6 +127,7 @@ class FedAvg(Protocol):
             return replace(rec, verified=False, verified_by=None, message=message, notes=notes)
         return apply_replay(model, update, self, rec, deadline=deadline, check=getattr(self, "_check", None))
 
+    @checks.outside_inference_mode
     def client_update(
         self, model: nn.Module, inputs: torch.Tensor, labels: torch.Tensor, seed: int = 0
     ) -> dict[str, torch.Tensor]:

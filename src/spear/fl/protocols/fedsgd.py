@@ -9,6 +9,7 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
+from spear import checks
 from spear.errors import InputError
 from spear.fl.protocols.base import Protocol
 
@@ -42,6 +43,7 @@ class FedSGD(Protocol):
         name = next(name for name, dtype in AUTOCAST.items() if dtype == self.autocast)
         return {**super().settings(), "autocast": name}
 
+    @checks.outside_inference_mode
     def client_update(
         self, model: nn.Module, inputs: torch.Tensor, labels: torch.Tensor, seed: int = 0
     ) -> dict[str, torch.Tensor]:

@@ -102,8 +102,8 @@ def all_finite(t: torch.Tensor) -> bool:
 
 
 def largest_magnitude(t: torch.Tensor) -> float:
-    """``max |t|`` by one min/max reduction, without the copy ``t.abs()`` makes (``t`` real,
-    finite, nonempty)."""
+    """``max |t|`` by one min/max reduction, without the copy ``t.abs()`` makes (``t`` finite
+    and nonempty; a complex one is read by its moduli)."""
     if t.is_complex():
         return float(t.detach().abs().amax())
     low, high = torch.aminmax(t.detach())

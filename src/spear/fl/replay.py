@@ -449,7 +449,15 @@ class _Accepted:
     certificate: ReplayCertificate
 
     @classmethod
-    def of(cls, model, update, protocol, inputs, grad_outputs, certificate) -> _Accepted:
+    def of(
+        cls,
+        model: nn.Module,
+        update: Mapping[str, torch.Tensor],
+        protocol: FedAvg,
+        inputs: torch.Tensor,
+        grad_outputs: torch.Tensor,
+        certificate: ReplayCertificate,
+    ) -> _Accepted:
         def copy_of(t: torch.Tensor) -> torch.Tensor:
             return t.detach().cpu().clone()
 
@@ -462,7 +470,14 @@ class _Accepted:
             certificate,
         )
 
-    def holds_for(self, model, update, protocol, inputs, grad_outputs) -> bool:
+    def holds_for(
+        self,
+        model: nn.Module,
+        update: Mapping[str, torch.Tensor],
+        protocol: FedAvg,
+        inputs: torch.Tensor,
+        grad_outputs: torch.Tensor,
+    ) -> bool:
         weights = list(model.parameters())
         return (
             protocol.settings() == self.settings
@@ -501,7 +516,7 @@ def apply_replay(
         return rec
     cert = (
         None
-        if check is None
+        if check is None or check.layer != replay_layer(model, layer)  # certified for its own layer
         else check.certificate_for(model, update, protocol, rec.inputs, rec.grad_outputs)
     )
     if cert is None:

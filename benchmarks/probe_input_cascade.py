@@ -118,6 +118,12 @@ def projection(span: torch.Tensor, start: torch.Tensor, zeros: int, iterations: 
     return x
 
 
+def pinning_gaps(span: torch.Tensor, truth: torch.Tensor, pinned: list[int], count: int) -> list[float]:
+    """How firmly the zero pixels pin each of ``count`` pinned samples: the second smallest
+    singular value of the span's basis on them (the smallest is 0; the basis' are 1)."""
+    return [float(torch.linalg.svdvals(span[:, truth[j] == 0])[-2]) for j in pinned[:count]]
+
+
 def projection_basin(span: torch.Tensor, truth: torch.Tensor, pinned: list[int], noises: list[float],
                      tries: int, rng: np.random.Generator) -> list[dict]:  # fmt: skip
     """From pinned samples' true inputs plus noise of each relative size: how many end there."""
@@ -167,6 +173,7 @@ def main() -> None:
             "pinned": len(pinned),
             "lp": lp_vertices(span, truth_live[unfound], args.lp_tries, rng),
             "projection": projection_basin(span, truth_live, pinned, args.noises, 12, rng),
+            "pinning_gaps": pinning_gaps(span, truth_live, pinned, 25),
         }
         row["seconds"] = time.perf_counter() - started
         rows.append(row)

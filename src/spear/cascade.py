@@ -429,7 +429,9 @@ class _Cascade:
                 if self._unexplained() <= self.tol.verify_rtol:
                     return "explained"
                 self._reserve(time.perf_counter() - began)
-                left = None if self.left() is None else self.left() - self._closing
+                left = self.left()
+                if left is not None:
+                    left -= self._closing
                 if left is not None and left <= 0:
                     return "time budget"
                 self._attack(layer, left, 2**round_)

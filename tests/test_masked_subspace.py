@@ -13,6 +13,7 @@ from spear.core.deadline import Deadline
 from spear.core.proposers import MaskedSubspaceProposer, ProposalContext
 from spear.core.proposers.masked_subspace import (
     ETA,
+    HYPOTHESES_PER_GUESS,
     MIN_RUN,
     MOST_CONVERGED,
     RATIO_FLOOR,
@@ -20,6 +21,7 @@ from spear.core.proposers.masked_subspace import (
     _FlipState,
     _most_repeated,
     applicable,
+    delta_hypotheses,
     explain_away,
     remainder_patterns,
 )
@@ -122,6 +124,79 @@ def test_deflation_makes_found_patterns_repel_and_keeps_the_others(case):
     assert int(back_to_found.sum()) == 0
     reached = (masks[half:] == patterns[half:]).all(dim=1) & converged[half:]
     assert int(reached.sum()) >= half - 3
+
+
+def true_deltas(model: torch.nn.Sequential, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Evaluation side: each sample's dL/dZ' of the head, ``softmax - onehot`` (b, k), unit rows."""
+    logits = model[2](torch.relu(model[0](inputs.reshape(inputs.shape[0], -1).double()))).detach()
+    delta = torch.softmax(logits, dim=1) - torch.nn.functional.one_hot(labels, logits.shape[1]).double()
+    return delta / delta.norm(dim=1, keepdim=True)
+
+
+def test_delta_hypotheses_are_the_found_columns_own_deltas_and_the_one_hot_differences(case):
+    _, view, truth, _, columns, _ = case
+    B = view.model[2].weight.detach().T.double()
+    bank = delta_hypotheses(B, columns[:, :5], zero_rtol=1e-12)
+    assert bank.shape == (45 + 5, 10)
+    assert torch.allclose(bank.norm(dim=1), torch.ones(50, dtype=torch.float64))
+    one_hot = bank[:45]
+    assert bool(((one_hot > 0).sum(1) == 1).all() and ((one_hot < 0).sum(1) == 1).all())
+    assert (
+        len({tuple(row.tolist()) for row in one_hot.sign()}) == 45 and float(one_hot.sum(1).abs().max()) == 0
+    )
+    own = true_deltas(view.model, truth.inputs, truth.labels)[:5]
+    assert float(((bank[45:] * own).sum(1).abs() - 1).abs().max()) < 1e-10
+    # a wide head gets no one-hot differences, and nothing found means nothing to offer
+    assert delta_hypotheses(torch.ones(50, 40, dtype=torch.float64), columns[:50, :0], 1e-12).shape == (0, 40)
+
+
+def test_relaxation_from_a_near_delta_finds_patterns_far_outside_the_searchs_basin(case):
+    """From 40% of rows wrong :meth:`descend` finds nothing; held at each sample's own delta
+    the relaxation hands it all of them, and at a delta 10 degrees off nearly all (63-64 measured)."""
+    _, view, truth, problem, columns, patterns = case
+    U = torch.linalg.qr(problem.L)[0]
+    search = PatternSearch(U, view.model[2].weight.detach().T.double(), columns[:, :0])
+    start = flipped(patterns, 0.4, seed=3)
+    masks, ratio, _ = search.descend(start, sweeps=30, flips=400, done=DONE)
+    assert int(((masks == patterns).all(dim=1) & (ratio < DONE)).sum()) == 0
+    own = true_deltas(view.model, truth.inputs, truth.labels)
+    masks, ratio, _ = search.descend_from(start, own, sweeps=10, flips=150, done=DONE)
+    assert bool(((masks == patterns).all(dim=1) & (ratio < DONE)).all())
+    tilt = torch.randn(own.shape, generator=torch.Generator().manual_seed(4), dtype=torch.float64)
+    tilt -= (tilt * own).sum(1, keepdim=True) * own
+    near = own + math.tan(math.radians(10)) * tilt / tilt.norm(dim=1, keepdim=True)
+    masks, ratio, _ = search.descend_from(start, near, sweeps=10, flips=150, done=DONE)
+    assert int(((masks == patterns).all(dim=1) & (ratio < DONE)).sum()) >= 56
+    # past the deadline the relaxation takes no step: the guesses come back as they were
+    assert torch.equal(search.relax(start, own, deadline=Deadline(0.0)), start)
+
+
+def test_once_the_plain_passes_run_dry_every_guess_is_searched_from_delta_hypotheses(case, monkeypatch):
+    *_, problem, columns, _ = case
+    directions = torch.linalg.lstsq(problem.L, columns).solution.T  # true q_j, evaluation side
+    ctx = context(problem, found=directions[:8] / directions[:8].norm(dim=1, keepdim=True))
+    proposer = MaskedSubspaceProposer(guesses_per_call=4096)  # one call searches every guess
+    relaxed = []
+    descend_from = PatternSearch.descend_from
+
+    def spy(self, masks, deltas, *args, **kwargs):
+        relaxed.append((masks.clone(), deltas.clone()))
+        return descend_from(self, masks, deltas, *args, **kwargs)
+
+    monkeypatch.setattr(PatternSearch, "descend_from", spy)
+    proposer.propose(ctx, 10**6)  # the plain pass over every guess
+    assert not relaxed and proposer.has_work(ctx)
+    proposer.propose(ctx, 10**6)  # it ran dry: the same guesses, each from its nearest hypotheses
+    ((masks, deltas),) = relaxed
+    guesses = proposer.guesses
+    assert masks.shape[0] == HYPOTHESES_PER_GUESS * guesses.shape[0]
+    assert torch.equal(masks, guesses.repeat_interleave(HYPOTHESES_PER_GUESS, dim=0))
+    bank = delta_hypotheses(proposer.B, (ctx.found @ ctx.L.T).T, ctx.zero_rtol)
+    assert bank.shape[0] == 45 + 8
+    assert float((deltas[:, None] - bank[None]).abs().amax(dim=2).min(dim=1).values.max()) == 0.0
+    # once per growth of the found directions: with nothing new, the proposer is done
+    assert not proposer.has_work(ctx) and proposer.propose(ctx, 10**6).exhausted
+    assert len(relaxed) == 1
 
 
 def test_explain_away_removes_exactly_the_found_columns_a_feature_column_holds():

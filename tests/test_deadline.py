@@ -228,6 +228,27 @@ def test_the_sparsity_probe_stops_at_the_deadline_and_concludes_nothing():
     assert not late.looks_dense(40, problem.L.shape[0])
 
 
+def test_the_sparsity_probe_snaps_a_bounded_number_of_hints_at_large_batches(monkeypatch):
+    """A neuron-guided call gives 1,536 hints, each snapped by an SVD of about b^3: at b = 512
+    the probe took a whole 240 s budget (MNIST, LT setting, seed 1), and as long without one.
+    Up to b = 256 it snaps them all, as before; beyond, fewer, by work, not by time."""
+    from spear.core import diagnosis
+    from spear.core.proposers.neurons import NeuronGuidedSampler
+
+    assert diagnosis.probe_hints(256) >= 1536 and diagnosis.probe_hints(64) >= 1536
+    assert diagnosis.probe_hints(512) == 192 and diagnosis.probe_hints(4096) == 1
+    asked = []
+    propose = NeuronGuidedSampler.propose
+    monkeypatch.setattr(
+        NeuronGuidedSampler, "propose", lambda self, ctx, n: asked.append(n) or propose(self, ctx, n)
+    )
+    monkeypatch.setattr(diagnosis, "PROBE_SNAP_WORK", 100 * 40**3)
+    _, problem, *_ = _client(40, 400)
+    probed = diagnosis.probe_sparse_directions(_context(problem, NEVER), 1e-9, 1e-12, None)
+    assert asked == [100] and probed.probed
+    assert probed.snapped.directions.shape[0] > 0
+
+
 def test_attack_reports_a_time_budget_stop():
     client = make_client(20, width=200, seed=3)
     rec = spear.reconstruct(*client.layer_args(), time_budget=1e-9, seed=0)

@@ -233,6 +233,7 @@ def test_the_sparsity_probe_snaps_a_bounded_number_of_hints_at_large_batches(mon
     the probe took a whole 240 s budget (MNIST, LT setting, seed 1), and as long without one.
     Up to b = 256 it snaps them all, as before; beyond, fewer, by work, not by time."""
     from spear.core import diagnosis
+    from spear.core.proposers import ProposalBatch
     from spear.core.proposers.neurons import NeuronGuidedSampler
 
     assert diagnosis.probe_hints(256) >= 1536 and diagnosis.probe_hints(64) >= 1536
@@ -245,8 +246,13 @@ def test_the_sparsity_probe_snaps_a_bounded_number_of_hints_at_large_batches(mon
     monkeypatch.setattr(diagnosis, "PROBE_SNAP_WORK", 100 * 40**3)
     _, problem, *_ = _client(40, 400)
     probed = diagnosis.probe_sparse_directions(_context(problem, NEVER), 1e-9, 1e-12, None)
-    assert asked == [100] and probed.probed
+    assert asked == [100] and probed.probed  # sparse directions found: evidence enough
     assert probed.snapped.directions.shape[0] > 0
+    # finding nothing in a cut call proves no dense layer (it would raise NoSparsityError)
+    monkeypatch.setattr(NeuronGuidedSampler, "propose", lambda self, ctx, n: ProposalBatch(ctx.L[:0], 1))
+    assert not diagnosis.probe_sparse_directions(_context(problem, NEVER), 1e-9, 1e-12, None).probed
+    monkeypatch.setattr(diagnosis, "PROBE_SNAP_WORK", diagnosis.PROBE_FULL_CALL * 40**3)
+    assert diagnosis.probe_sparse_directions(_context(problem, NEVER), 1e-9, 1e-12, None).probed
 
 
 def test_attack_reports_a_time_budget_stop():

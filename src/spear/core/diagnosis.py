@@ -42,15 +42,19 @@ ADAPTED_FRACTION = 0.5
 ADAPTED_SPARE = 8
 #: the probe's verdict counts only for layers at least this many times wider than the batch
 DIAGNOSABLE_RATIO = 4
-#: each call of the probe snaps at most this work's worth of hints, at about b^3 each (an SVD
-#: of the b - 1 zero rows): a neuron-guided call's 1,536 hints up to b = 256, 192 at b = 512.
-#: All 1,536 at b = 512 took a whole 240 s budget (MNIST in the LT setting, seed 1, whose
-#: first three calls found nothing), a run without a time budget as long
-PROBE_SNAP_WORK = 1536 * 256**3
+#: the hints of one neuron-guided call (512 neurons, 3 zero sets each) ...
+PROBE_FULL_CALL = 1536
+#: ... and the work's worth of them that one call of the probe snaps at most, at about b^3 each
+#: (an SVD of the b - 1 zero rows): all 1,536 up to b = 256, 192 at b = 512. All 1,536 at
+#: b = 512 took a whole 240 s budget (MNIST in the LT setting, seed 1, whose first three calls
+#: found nothing), a run without a time budget as long
+PROBE_SNAP_WORK = PROBE_FULL_CALL * 256**3
 
 
 def probe_hints(b: int) -> int:
-    """The most hints one call of the probe snaps (:data:`PROBE_SNAP_WORK`)."""
+    """The most hints one call of the probe snaps (:data:`PROBE_SNAP_WORK`). Fewer than a full
+    call's: its finding nothing sparse is no evidence of a dense layer (the probe concludes
+    that only from complete calls)."""
     return max(1, PROBE_SNAP_WORK // b**3)
 
 
@@ -99,8 +103,10 @@ def probe_sparse_directions(
     for proposer in calls:
         if ctx.deadline.passed():
             break
-        batch = proposer.propose(ctx, probe_hints(ctx.batch_size))
-        conclusive |= not isinstance(proposer, VertexProposer)
+        limit = probe_hints(ctx.batch_size)
+        batch = proposer.propose(ctx, limit)
+        # a call cut to fewer hints than it has, or vertex descent, finding nothing proves nothing
+        conclusive |= not isinstance(proposer, VertexProposer) and limit >= PROBE_FULL_CALL
         # every direction the hints define, whatever its sparsity: the filter comes after
         loose = snap_and_filter(
             ctx.L,

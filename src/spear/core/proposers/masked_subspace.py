@@ -265,7 +265,9 @@ class PatternSearch:
         flipped at random): from a quarter wrong, :meth:`descend` alone finds none of them; from
         ``e_pred - e_label`` (:func:`delta_hypotheses`), flips at that fixed delta first find 6
         of 24, the relaxation first 25 of 32 (28 from the true delta); from 30% wrong, 13 of 32.
-        On 256 of the server's own guesses, 36 samples where :meth:`descend` alone finds 13."""
+        On 256 of the server's own guesses, at their 3 nearest one-hot hypotheses, 36 samples
+        where :meth:`descend` alone finds 13 (measured with 300 relaxation steps and full sweeps;
+        100 steps and 10 sweeps find as many on 128 of them)."""
         return self.descend(self.relax(masks, deltas, deadline), sweeps, flips, done, deadline)
 
     def relax(self, masks: torch.Tensor, deltas: torch.Tensor, deadline: Deadline = NEVER) -> torch.Tensor:

@@ -100,10 +100,10 @@ def probe_sparse_directions(
     found: list[SnapResult] = []
     sparsest = 0
     conclusive = False  # a call whose failure to find sparse directions means a dense layer
+    limit = probe_hints(ctx.batch_size)
     for proposer in calls:
         if ctx.deadline.passed():
             break
-        limit = probe_hints(ctx.batch_size)
         batch = proposer.propose(ctx, limit)
         # a call cut to fewer hints than it has, or vertex descent, finding nothing proves nothing
         conclusive |= not isinstance(proposer, VertexProposer) and limit >= PROBE_FULL_CALL

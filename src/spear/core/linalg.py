@@ -36,6 +36,12 @@ def row_products(A: torch.Tensor, B: torch.Tensor) -> torch.Tensor:
     return (A[:, :, None] * B[:, None, :]).reshape(A.shape[0], -1)
 
 
+def unit_rows(rows: torch.Tensor) -> torch.Tensor:
+    """``rows`` (S, k) scaled to unit norm (zero rows stay zero)."""
+    norms = torch.linalg.vector_norm(rows, dim=1, keepdim=True)
+    return rows / norms.clamp_min(torch.finfo(rows.dtype).tiny)
+
+
 def gram_ridge(gram: torch.Tensor) -> torch.Tensor:
     """A ridge for Gram matrices (S, k, k) that may be singular (a mask with fewer rows than
     k): 1e-14 of each one's largest diagonal entry (and 1e-300) times the identity."""

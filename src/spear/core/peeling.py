@@ -46,7 +46,7 @@ import torch
 
 from spear.core.deadline import NEVER, Deadline
 from spear.core.filtering import kernel_chunk, kernel_of_rows
-from spear.core.linalg import lstsq, masked_kernels
+from spear.core.linalg import lstsq, masked_kernels, unit_rows
 from spear.core.lowrank import leading_svd, numerical_rank
 from spear.core.proposers.base import orthogonal_complement
 from spear.core.scale import LayerProblem
@@ -250,8 +250,7 @@ class FailedDirections:
 
 
 def _unit_rows(directions: torch.Tensor) -> torch.Tensor:
-    q = directions.detach().to(torch.float64).cpu()
-    return q / q.norm(dim=1, keepdim=True).clamp_min(torch.finfo(torch.float64).tiny)
+    return unit_rows(directions.detach().to(torch.float64).cpu())
 
 
 @dataclass

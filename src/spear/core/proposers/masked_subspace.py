@@ -55,7 +55,7 @@ from dataclasses import dataclass
 import torch
 
 from spear.core.deadline import NEVER, Deadline
-from spear.core.linalg import gram_ridge, lstsq, row_products
+from spear.core.linalg import gram_ridge, lstsq, row_products, unit_rows
 from spear.core.proposers.base import (
     DirectionProposer,
     ProposalBatch,
@@ -512,13 +512,7 @@ def delta_hypotheses(B: torch.Tensor, found: torch.Tensor, zero_rtol: float) -> 
         parts.append(torch.linalg.solve(gram + gram_ridge(gram), (found.T @ B)[:, :, None])[:, :, 0])
     if not parts:
         return B.new_zeros(0, k)
-    return _unit_rows(torch.cat(parts))
-
-
-def _unit_rows(rows: torch.Tensor) -> torch.Tensor:
-    """``rows`` (S, k) scaled to unit norm (zero rows stay zero)."""
-    norms = torch.linalg.vector_norm(rows, dim=1, keepdim=True)
-    return rows / norms.clamp_min(torch.finfo(rows.dtype).tiny)
+    return unit_rows(torch.cat(parts))
 
 
 def row_guesses(ctx: ProposalContext) -> torch.Tensor:
@@ -876,7 +870,7 @@ class MaskedSubspaceProposer(DirectionProposer):
         bank = delta_hypotheses(self.B, found, ctx.zero_rtol)
         if bank.shape[0] == 0:
             return self.search.descend(guesses, self.sweeps, self.flips, done, ctx.deadline)
-        fitted = _unit_rows(self.search.fit(guesses)[1])
+        fitted = unit_rows(self.search.fit(guesses)[1])
         nearest = (fitted @ bank.T).abs().topk(min(HYPOTHESES_PER_GUESS, bank.shape[0]), dim=1).indices
         starts = guesses.repeat_interleave(nearest.shape[1], dim=0)
         sweeps, flips = min(self.sweeps, RELAXED_SWEEPS), min(self.flips, RELAXED_FLIPS)

@@ -10,7 +10,7 @@ import torch
 
 import spear
 from spear.core.deadline import Deadline
-from spear.core.proposers import MaskedSubspaceProposer, ProposalContext
+from spear.core.proposers import MaskedSubspaceProposer, ProposalContext, masked_subspace
 from spear.core.proposers.masked_subspace import (
     ETA,
     HYPOTHESES_PER_GUESS,
@@ -184,6 +184,7 @@ def test_once_the_plain_passes_run_dry_every_guess_is_searched_from_delta_hypoth
         return descend_from(self, masks, deltas, *args, **kwargs)
 
     monkeypatch.setattr(PatternSearch, "descend_from", spy)
+    monkeypatch.setattr(masked_subspace, "_splitter", lambda *args: None)  # no column splits
     proposer.propose(ctx, 10**6)  # the plain pass over every guess
     assert not relaxed and proposer.has_work(ctx)
     proposer.propose(ctx, 10**6)  # it ran dry: the same guesses, each from its nearest hypotheses
@@ -439,6 +440,8 @@ def test_confirmed_patterns_count_below_the_sparsity_threshold(monkeypatch):
         return dataclasses.replace(propose(self, ctx, max_proposals), confirmed=None)
 
     monkeypatch.setattr(MaskedSubspaceProposer, "propose", unconfirmed)
+    # and without the column splits, whose columns are pinned by the head, not by their zeros
+    monkeypatch.setattr(masked_subspace, "_splitter", lambda *args: None)
     held = spear.attack_layer(view.model, layer, view.gradients, seed=0, max_proposals=20_000)
     assert not held.verified and held.stats.candidates < 64
 

@@ -27,7 +27,7 @@ def mixture(columns: torch.Tensor, inputs: torch.Tensor, p: int) -> torch.Tensor
 
 
 def test_the_splitter_works_in_the_span_of_the_deltas():
-    problem, _, _, _, B, hypotheses = lt_case()
+    _problem, _, _, _, B, hypotheses = lt_case()
     # softmax cross-entropy: deltas sum to 0, the next layer's gradient has rank k - 1
     assert B.shape == (400, 9) and hypotheses.shape == (45, 9)
     assert torch.allclose(hypotheses.norm(dim=1), torch.ones(45, dtype=torch.float64))
@@ -36,7 +36,7 @@ def test_the_splitter_works_in_the_span_of_the_deltas():
 
 
 def test_columns_of_two_to_four_samples_split_into_their_exact_patterns():
-    problem, columns, patterns, inputs, B, hypotheses = lt_case()
+    _problem, columns, patterns, inputs, B, hypotheses = lt_case()
     lit = inputs > 0
     generator = torch.Generator().manual_seed(0)
     exact = {2: 0, 3: 0, 4: 0}
@@ -86,7 +86,7 @@ def test_one_hot_differences():
 
 
 def test_short_runs_explain_away_a_sample_that_is_alone_on_three_rows():
-    problem, columns, patterns, inputs, _, _ = lt_case()
+    _problem, columns, _patterns, _inputs, _, _ = lt_case()
     # two samples whose patterns overlap so that one is alone on exactly 3 of the rows
     m = columns.shape[0]
     found, other = columns[:, 0].clone(), columns[:, 1].clone()
@@ -104,7 +104,7 @@ def test_short_runs_explain_away_a_sample_that_is_alone_on_three_rows():
 
 
 def test_the_proposer_splits_pixel_columns_first_and_pins_only_true_columns():
-    problem, columns, patterns, _, _, _ = lt_case()
+    problem, columns, _patterns, _, _, _ = lt_case()
     ctx = context(problem)
     proposer = MaskedSubspaceProposer()
     batch = proposer.propose(ctx, 10_000)

@@ -103,8 +103,11 @@ def test_short_runs_explain_away_a_sample_that_is_alone_on_three_rows():
     assert torch.allclose(rest, 0.4 * other_cut, rtol=0, atol=1e-12)
 
 
-def test_the_proposer_splits_pixel_columns_first_and_pins_only_true_columns():
+def test_the_proposer_splits_pixel_columns_first_and_pins_only_true_columns(monkeypatch):
+    from spear.core.proposers import masked_subspace
+
     problem, columns, _patterns, _, _, _ = lt_case()
+    monkeypatch.setattr(masked_subspace, "SPLIT_LEAST_BATCH", 96)  # b = 96 here, for a test's time
     ctx = context(problem)
     proposer = MaskedSubspaceProposer()
     batch = proposer.propose(ctx, 10_000)
@@ -114,3 +117,10 @@ def test_the_proposer_splits_pixel_columns_first_and_pins_only_true_columns():
     unit = columns / columns.norm(dim=0, keepdim=True)
     cosine = (pinned / pinned.norm(dim=1, keepdim=True)) @ unit
     assert bool((cosine.abs().amax(dim=1) > 1 - 1e-9).all())
+
+
+def test_small_batches_get_no_splits():
+    problem, *_ = lt_case()
+    proposer = MaskedSubspaceProposer()
+    proposer.propose(context(problem), 10_000)  # b = 96: the pattern search's pass, no splits
+    assert proposer.splitter is None and proposer.split_queue.numel() == 0

@@ -628,7 +628,7 @@ def test_ctrl_c_while_waiting_for_uncut_work_does_not_abort_the_interpreter(tmp_
     script.write_text(
         textwrap.dedent(
             """
-            import os, signal, threading, time, torch
+            import signal, threading, time, torch
             from spear.core.deadline import Deadline, finish_by
             torch.set_num_threads(1)
             a = torch.randn(300, 300, dtype=torch.float64)
@@ -640,7 +640,9 @@ def test_ctrl_c_while_waiting_for_uncut_work_does_not_abort_the_interpreter(tmp_
                         return
                     torch.linalg.svd(a)
 
-            threading.Timer(0.3, lambda: os.kill(os.getpid(), signal.SIGINT)).start()
+            main = threading.main_thread().ident  # the signal to the waiting thread itself: one sent
+            # to the process may land on the worker, and the main thread's wait would not wake
+            threading.Timer(0.3, lambda: signal.pthread_kill(main, signal.SIGINT)).start()
             try:
                 finish_by(Deadline.after(3600.0), work)
             except KeyboardInterrupt:

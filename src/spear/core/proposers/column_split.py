@@ -41,6 +41,8 @@ from dataclasses import dataclass
 
 import torch
 
+from spear.core.linalg import lstsq
+
 #: width of a band: the log-ratio window (about 10% in ratio) that a sample's solo rows fill
 BAND = 0.1
 #: densest windows taken per one-hot difference, and the rows a window needs
@@ -146,7 +148,7 @@ def class_vectors(
     vectors = []
     for v in candidates:  # refit on every row the fit explains
         on = (Br @ v - c).abs() <= tol
-        vectors.append(torch.linalg.lstsq(Br[on], c[on][:, None]).solution[:, 0])
+        vectors.append(lstsq(Br[on], c[on][:, None])[:, 0])
     return torch.stack(vectors) if vectors else B.new_zeros(0, k)
 
 

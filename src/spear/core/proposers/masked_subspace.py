@@ -33,6 +33,15 @@ Guesses come from what the server sees:
   it stands: the pixel-side LT cascade) or a mixture of fewer samples, whose larger half is a
   new guess.
 
+Before any guess is searched, feature columns that mix a few samples are *split*
+(:mod:`~spear.core.proposers.column_split`, for batches of ``SPLIT_LEAST_BATCH`` or more and
+heads up to ``MOST_ONE_HOT`` wide): each row of such a column is a subset sum of the
+contributors' vectors ``x_jp delta_j`` seen through ``W'``, and once those are fitted exactly,
+every contributor's pattern is read off the rows whose subset holds it, then pinned
+(:func:`pin_columns`). Each call explains the new directions away first, so the columns they
+leave split next; once the splits run dry, every found direction is explained away again from
+every column (:meth:`MaskedSubspaceProposer._explain_deeply`).
+
 Once every guess has been searched and no new pass is due, every guess is searched again from
 *hypotheses of its delta* (:func:`delta_hypotheses`: the found columns' own and, for a narrow
 head, every ``e_a - e_c``; a confident classifier's ``delta = softmax - onehot`` lies near one
@@ -130,11 +139,12 @@ RELAXED_FLIPS = 150
 MOST_ONE_HOT = 32
 #: feature columns split per call (:mod:`~spear.core.proposers.column_split`) ...
 SPLITS_PER_CALL = 16
-#: ... in batches of at least this many samples: below, the random sampler finds such columns in
-#: milliseconds, and the schedule gives this proposer only its turns 3, 7, 15, ..., which the
-#: pattern search needs (a trained MLP's hidden layer, float32, b = 11: not verified in 50,000
-#: proposals with the splits taking those turns, 17,040 without)
-SPLIT_LEAST_BATCH = 16
+#: ... in batches of at least this many samples: a mechanism for large batches, where the
+#: pattern search runs short of guesses (LT MNIST b = 512). Below, the search and the samplers
+#: find the batches measured whole, and split calls take turns they use: at b = 16 and up,
+#: a trained MLP's hidden layer (float32, b = 11 aside) and the float32 CNN heads of
+#: test_realism (b = 48 and 64) lost the columns those turns found
+SPLIT_LEAST_BATCH = 128
 #: ... of those with at least a 2^-MOST_CONTRIBUTORS share of zero rows (about as many
 #: contributors, each active on half the rows; beyond that a split rarely finds them all)
 MOST_CONTRIBUTORS = 6

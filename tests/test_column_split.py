@@ -107,7 +107,7 @@ def test_the_proposer_splits_pixel_columns_first_and_pins_only_true_columns(monk
     from spear.core.proposers import masked_subspace
 
     problem, columns, _patterns, _, _, _ = lt_case()
-    monkeypatch.setattr(masked_subspace, "SPLIT_LEAST_BATCH", 96)  # b = 96 here, for a test's time
+    monkeypatch.setattr(masked_subspace, "SPLIT_ABOVE_BATCH", 95)  # b = 96 here, for a test's time
     ctx = context(problem)
     proposer = MaskedSubspaceProposer()
     batch = proposer.propose(ctx, 10_000)
@@ -119,7 +119,7 @@ def test_the_proposer_splits_pixel_columns_first_and_pins_only_true_columns(monk
     assert bool((cosine.abs().amax(dim=1) > 1 - 1e-9).all())
 
 
-def test_small_batches_get_no_splits():
+def test_batches_up_to_256_get_no_splits():
     problem, *_ = lt_case()
     proposer = MaskedSubspaceProposer()
     proposer.propose(context(problem), 10_000)  # b = 96: the pattern search's pass, no splits

@@ -640,6 +640,9 @@ def test_ctrl_c_while_waiting_for_uncut_work_does_not_abort_the_interpreter(tmp_
                         return
                     torch.linalg.svd(a)
 
+            # whatever the parent left (an ignored or blocked SIGINT is inherited): Python's own
+            signal.signal(signal.SIGINT, signal.default_int_handler)
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
             main = threading.main_thread().ident  # the signal to the waiting thread itself: one sent
             # to the process may land on the worker, and the main thread's wait would not wake
             threading.Timer(0.3, lambda: signal.pthread_kill(main, signal.SIGINT)).start()

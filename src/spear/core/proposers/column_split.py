@@ -41,6 +41,7 @@ from dataclasses import dataclass
 
 import torch
 
+from spear.core.deadline import NEVER, Deadline
 from spear.core.linalg import lstsq
 
 #: width of a band: the log-ratio window (about 10% in ratio) that a sample's solo rows fill
@@ -245,10 +246,12 @@ def split_column(
     hypotheses: torch.Tensor,
     tol: float,
     generator: torch.Generator,
+    deadline: Deadline = NEVER,
 ) -> ColumnSplit | None:
     """The contributors' patterns in a feature ``column`` (m,) of dL/dW (module doc), with
     ``B = W'^T`` (m, k), deltas nearly along ``hypotheses`` (h, k) and rows that are exact
-    to within ``tol`` (absolute). None when no class vector is found."""
+    to within ``tol`` (absolute). None when no class vector is found or ``deadline`` passes
+    first (a column can take up to ``ROUNDS * SHIFTS`` band searches)."""
     k = B.shape[1]
     active = column.abs() > tol
     rows = active.nonzero()[:, 0]
@@ -260,6 +263,8 @@ def split_column(
         shifts = torch.cat([B.new_zeros(1, k), sums[: SHIFTS - 1]])
         new = []
         for shift in shifts:  # a row of a new atom beside known ones is that atom's alone here
+            if deadline.passed():
+                return None
             found = class_vectors(column - B @ shift, rows, B, hypotheses, tol, generator)
             new += [found + shift, found]
         candidates = torch.cat(new)

@@ -34,7 +34,7 @@ Guesses come from what the server sees:
   new guess.
 
 Before any guess is searched, feature columns that mix a few samples are *split*
-(:mod:`~spear.core.proposers.column_split`, for batches of ``SPLIT_LEAST_BATCH`` or more and
+(:mod:`~spear.core.proposers.column_split`, for batches larger than ``SPLIT_ABOVE_BATCH`` and
 heads up to ``MOST_ONE_HOT`` wide): each row of such a column is a subset sum of the
 contributors' vectors ``x_jp delta_j`` seen through ``W'``, and once those are fitted exactly,
 every contributor's pattern is read off the rows whose subset holds it, then pinned
@@ -139,12 +139,12 @@ RELAXED_FLIPS = 150
 MOST_ONE_HOT = 32
 #: feature columns split per call (:mod:`~spear.core.proposers.column_split`) ...
 SPLITS_PER_CALL = 16
-#: ... in batches of at least this many samples: a mechanism for large batches, where the
-#: pattern search runs short of guesses (LT MNIST b = 512). Below, the search and the samplers
-#: find the batches measured whole, and split calls take turns they use: at b = 16 and up,
-#: a trained MLP's hidden layer (float32, b = 11 aside) and the float32 CNN heads of
-#: test_realism (b = 48 and 64) lost the columns those turns found
-SPLIT_LEAST_BATCH = 128
+#: ... in batches of more than this many samples: a mechanism for large batches, where the
+#: pattern search runs short of guesses (LT MNIST b = 512). Up to it the search alone finds the
+#: batches measured whole, and faster: with splits first, LT MNIST b = 128 took 20-59 s (4.3 s
+#: median without) and b = 256 seed 0 89 s (37 s), and below b = 64 split calls took the turns
+#: the float32 CNN heads of test_realism and small trained MLPs need
+SPLIT_ABOVE_BATCH = 256
 #: ... of those with at least a 2^-MOST_CONTRIBUTORS share of zero rows (about as many
 #: contributors, each active on half the rows; beyond that a split rarely finds them all)
 MOST_CONTRIBUTORS = 6
@@ -722,6 +722,10 @@ def _splitter(
         span = left[:, size > zero_rtol * size[0]] if size.numel() and size[0] > 0 else span
     hypotheses = column_split.one_hot_differences(k, B.dtype, B.device) @ span
     hypotheses = hypotheses[hypotheses.norm(dim=1) > 0.5]  # those (nearly) in the span
+    if span.shape[1] < 2 or hypotheses.shape[0] == 0:
+        # one delta direction (k = 2 with softmax): every row class is parallel, and a column's
+        # ratio to a found one repeats on shared rows too (review 49): no splits, no short runs
+        return None
     return B @ span, unit_rows(hypotheses)
 
 
@@ -791,7 +795,7 @@ class MaskedSubspaceProposer(DirectionProposer):
         self.hypothesis_queue = self.guesses[:0]  # guesses to search from delta hypotheses
         self.hypothesized = -1  # found directions when the last hypothesis pass began (-1: none)
         self.splitter = None
-        if ctx.batch_size >= SPLIT_LEAST_BATCH:
+        if ctx.batch_size > SPLIT_ABOVE_BATCH:
             self.splitter = _splitter(self.B, p.next_grad_weight, ctx.zero_rtol)
         self.deeply = -1  # found directions when every one was last explained away (-1: never)
         self.split_queue = self._splittable(ctx, torch.arange(self.columns.shape[0], device=self.B.device))
@@ -823,7 +827,8 @@ class MaskedSubspaceProposer(DirectionProposer):
         columns that changed give new hints and guesses; start a new pass over all guesses when
         one is due."""
         found = ctx.found.to(ctx.L.dtype)
-        self._explain(ctx)
+        if not self._explain(ctx):  # out of time: the run ends, nothing half-explained is kept
+            return
         if self._due(ctx):
             self.passed = found.shape[0]
             self.queue = self.guesses
@@ -836,15 +841,19 @@ class MaskedSubspaceProposer(DirectionProposer):
             self.hypothesized = found.shape[0]
             self.hypothesis_queue = self.guesses
 
-    def _explain(self, ctx: ProposalContext) -> None:
+    def _explain(self, ctx: ProposalContext) -> bool:
         """Explain away the directions found since the last call from the feature columns: the
-        columns that changed give new hints and guesses, and go to the front of the splits."""
+        columns that changed give new hints and guesses, and go to the front of the splits.
+        False when the deadline cut it short."""
         found = ctx.found.to(ctx.L.dtype)
         if found.shape[0] <= self.explained:
-            return
+            return True
         rows = torch.arange(self.columns.shape[0], device=self.columns.device)
-        if self._explain_rows(ctx, found[self.explained :], rows, _run_length(ctx)) is not None:
-            self.explained = found.shape[0]
+        run = _run_length(ctx) if self.splitter is not None else MIN_RUN  # below: as before splits
+        if self._explain_rows(ctx, found[self.explained :], rows, run) is None:
+            return False
+        self.explained = found.shape[0]
+        return True
 
     def _explain_deeply(self, ctx: ProposalContext) -> None:
         """Once the splits run dry: explain away *every* found direction, again and again on the
@@ -914,7 +923,7 @@ class MaskedSubspaceProposer(DirectionProposer):
                 break
             column = self.columns[index]
             tol = ctx.zero_rtol * float(column.abs().max())
-            split = column_split.split_column(column, B, hypotheses, tol, ctx.generator)
+            split = column_split.split_column(column, B, hypotheses, tol, ctx.generator, ctx.deadline)
             done += 1
             if split is not None and split.complete:
                 patterns.append(split.patterns)

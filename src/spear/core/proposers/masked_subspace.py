@@ -527,11 +527,7 @@ def delta_hypotheses(B: torch.Tensor, found: torch.Tensor, zero_rtol: float) -> 
     k = B.shape[1]
     parts = []
     if k <= MOST_ONE_HOT:
-        a, c = torch.triu_indices(k, k, offset=1, device=B.device)
-        one_hot = B.new_zeros(a.numel(), k)
-        one_hot[torch.arange(a.numel(), device=B.device), a] = 1.0
-        one_hot[torch.arange(a.numel(), device=B.device), c] = -1.0
-        parts.append(one_hot)
+        parts.append(column_split.one_hot_differences(k, B.dtype, B.device))
     if found.shape[1]:
         size = found.abs()
         active = (size > zero_rtol * size.amax(dim=0, keepdim=True)).to(B.dtype).T  # (f, m)
